@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make train` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch/torchvision are pinned to the releases this project is tested with; override
+# TORCH= to use another build (e.g. a CUDA wheel index on a cluster).
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+# The pip-installable MPI; set MPI_EXTRA= on a cluster whose MPI mpi4py was built against.
+MPI_EXTRA ?= mpich,
+STAMP := $(VENV)/.installed
+NP ?= 2
+TRAIN_ARGS ?= --model resnet18 --num-classes 10 --image-size 2048 --batch-size 2 \
+              --stages 2 --schedule mast --steps 3
+
+.PHONY: install train test clean
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[$(MPI_EXTRA)test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: install
+	$(VENV)/bin/mpiexec -n $(NP) $(VENV)/bin/gems-train $(TRAIN_ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

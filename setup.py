@@ -1,0 +1,24 @@
+"""Installs gems. The source folders partition/ and models/ become gems.partition and
+gems.models, so nothing generic (a top-level ``models``) lands in site-packages."""
+from setuptools import setup
+
+setup(
+    name="gems",
+    version="0.1.0",
+    description="Memory-aware pipeline training of CNNs on very large images (GEMS-MAST)",
+    python_requires=">=3.10",
+    packages=["gems", "gems.cli", "gems.partition", "gems.models"],
+    package_dir={"gems": "gems", "gems.partition": "partition", "gems.models": "models"},
+    install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm"],
+    extras_require={
+        # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
+        # build mpi4py against the site's MPI instead (see README).
+        "mpich": ["mpich"],
+        "test": ["pytest>=7", "pytest-timeout"],
+    },
+    entry_points={
+        "console_scripts": [
+            "gems-plan=gems.cli.plan:main",
+        ],
+    },
+)
