@@ -1,0 +1,299 @@
+"""Pipeline schedules as pure action lists: no torch, no MPI.
+
+``schedule(name, K, m)`` returns, for every position of a group, the ordered list of
+actions that position executes in one training step. The engine runs these lists and the
+simulator replays them, so every schedule has one source of truth.
+
+Schedules
+---------
+``mp``     one replica, one micro-batch: plain model parallelism (the GEMS baseline).
+``gpipe``  one replica, fill-drain: all m forwards, then all m backwards.
+``1f1b``   one replica, at most K - s micro-batches in flight at stage s (PipeDream-flush).
+``mast``   two mirrored replicas (GEMS-MAST): replica *down* places stage s on position s,
+           replica *up* places it on position K-1-s, so one replica's forward fills the
+           other's idle time; m micro-batches each (m > 1 fills the bubbles further, as in
+           Chimera). For odd K the middle position holds one copy of the middle stage.
+
+K = 2, m = 1, ``mast`` (forward 1 tick, backward 2)::
+
+    position 0 | F d.s0 | F u.s1 | B u.s1  B u.s1 | B d.s0  B d.s0 |
+    position 1 | F u.s0 | F d.s1 | B d.s1  B d.s1 | B u.s0  B u.s0 |
+
+Orders are produced by one greedy list scheduler (forward 1 tick, backward 2 ticks,
+messages free): at every tick an idle position starts the ready task of highest priority.
+Because a position executes its list in a fixed order and only waits on messages,
+an order that completes in one timing completes in every timing; ``validate`` re-checks
+that by simulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gems.errors import GemsError
+
+SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
+
+FORWARD, BACKWARD = "forward", "backward"
+SEND_ACT, RECV_ACT = "send_act", "recv_act"
+SEND_GRAD, RECV_GRAD = "send_grad", "recv_grad"
+SYNC, STEP = "sync", "step"
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = (SEND_ACT, SEND_GRAD)
+RECVS = (RECV_ACT, RECV_GRAD)
+
+_TICKS = {FORWARD: 1, BACKWARD: 2}
+REPLICA_NAMES = ("d", "u")  # down, up
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one position.
+
+    ``stage`` is the stage this position computes for: the stage run by forward/backward,
+    the stage whose output (send_act) or input gradient (send_grad) is sent, the stage that
+    consumes a received activation (recv_act) or output gradient (recv_grad). ``peer`` is
+    the position at the other end of a message, -1 otherwise.
+    """
+
+    op: str
+    replica: int = 0
+    micro: int = 0
+    stage: int = 0
+    peer: int = -1
+
+    @property
+    def message(self) -> tuple[str, int, int, int]:
+        """Identity of the message a send/recv moves: (kind, replica, micro, boundary).
+
+        Boundary b is the cut between stage b and stage b+1; the sender and the receiver
+        of one message compute the same identity.
+        """
+        if self.op == SEND_ACT:
+            return ("act", self.replica, self.micro, self.stage)
+        if self.op == RECV_ACT:
+            return ("act", self.replica, self.micro, self.stage - 1)
+        if self.op == SEND_GRAD:
+            return ("grad", self.replica, self.micro, self.stage - 1)
+        if self.op == RECV_GRAD:
+            return ("grad", self.replica, self.micro, self.stage)
+        raise ValueError(f"{self.op} moves no message")
+
+    def __str__(self) -> str:
+        if self.op in (SYNC, STEP):
+            return self.op
+        text = f"{self.op} {REPLICA_NAMES[self.replica]}{self.micro}.s{self.stage}"
+        return text if self.peer < 0 else f"{text} @{self.peer}"
+
+
+def check(name: str, K: int, m: int) -> None:
+    """Raise GemsError unless (name, K, m) names a schedule that can be built."""
+    if name not in SCHEDULES:
+        raise GemsError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(K, int) or K < 1:
+        raise GemsError(f"the number of stages must be a positive integer, got {K!r}")
+    if not isinstance(m, int) or m < 1:
+        raise GemsError(f"the number of micro-batches must be a positive integer, got {m!r}")
+    if name == "mp" and m != 1:
+        raise GemsError("schedule 'mp' runs one micro-batch per step: use --micro-batches 1, "
+                        "or schedule 'gpipe' / '1f1b' / 'mast' for more")
+
+
+def replicas(name: str) -> int:
+    """Model replicas a schedule runs on one group: 2 for ``mast``, else 1."""
+    return 2 if name == "mast" else 1
+
+
+def position_of(name: str, K: int, replica: int, stage: int) -> int:
+    """The position that runs ``stage`` of ``replica``."""
+    return stage if replica == 0 else K - 1 - stage
+
+
+def holds(name: str, K: int, position: int) -> list[int]:
+    """Stages whose parameters a position holds (sorted; mast: {r, K-1-r})."""
+    return sorted({s for rep in range(replicas(name)) for s in range(K)
+                   if position_of(name, K, rep, s) == position})
+
+
+def _cap(name: str, K: int, m: int, stage: int) -> int:
+    """Micro-batches of one replica allowed in flight at a stage."""
+    return m if name in ("mp", "gpipe") else min(m, K - stage)
+
+
+def _order(name: str, K: int, m: int) -> list[list[tuple[str, int, int, int]]]:
+    """Greedy list scheduling: per position, the compute tasks (op, replica, micro, stage)
+    in the order they start."""
+    R = replicas(name)
+    backward_first = name != "gpipe" and name != "mp"
+    finish: dict[tuple[str, int, int, int], int] = {}
+    next_fwd = {(r, s): 0 for r in range(R) for s in range(K)}   # next micro to forward
+    next_bwd = {(r, s): 0 for r in range(R) for s in range(K)}   # next micro to backward
+    busy_until = [0] * K
+    order: list[list[tuple[str, int, int, int]]] = [[] for _ in range(K)]
+    mine = [[(r, s) for r in range(R) for s in range(K) if position_of(name, K, r, s) == p]
+            for p in range(K)]
+    total, done, t = 2 * R * K * m, 0, 0
+    while done < total:
+        for p in range(K):
+            if busy_until[p] > t:
+                continue
+            ready = []
+            for r, s in mine[p]:
+                j = next_fwd[(r, s)]
+                if j < m and j - next_bwd[(r, s)] < _cap(name, K, m, s):
+                    dep = (FORWARD, r, j, s - 1)
+                    if s == 0 or finish.get(dep, t + 1) <= t:
+                        ready.append((FORWARD, r, j, s))
+                j = next_bwd[(r, s)]
+                if j < next_fwd[(r, s)]:
+                    dep = (FORWARD, r, j, s) if s == K - 1 else (BACKWARD, r, j, s + 1)
+                    if finish.get(dep, t + 1) <= t:
+                        ready.append((BACKWARD, r, j, s))
+            if not ready:
+                continue
+            ready.sort(key=lambda task: ((task[0] == FORWARD) == backward_first, task[2], task[1]))
+            task = ready[0]
+            op, r, j, s = task
+            (next_fwd if op == FORWARD else next_bwd)[(r, s)] += 1
+            busy_until[p] = finish[task] = t + _TICKS[op]
+            order[p].append(task)
+            done += 1
+        t += 1
+        if t > 10 * total + 10:  # every task takes at most 2 ticks; more means a stuck rule
+            raise RuntimeError(f"schedule {name} K={K} m={m} does not complete")
+    return order
+
+
+def schedule(name: str, K: int, m: int = 1) -> list[list[Action]]:
+    """Per position, the ordered actions of one training step."""
+    check(name, K, m)
+    lists: list[list[Action]] = []
+    for p, tasks in enumerate(_order(name, K, m)):
+        actions: list[Action] = []
+        for op, r, j, s in tasks:
+            if op == FORWARD:
+                if s > 0:
+                    actions.append(Action(RECV_ACT, r, j, s, position_of(name, K, r, s - 1)))
+                actions.append(Action(FORWARD, r, j, s))
+                if s < K - 1:
+                    actions.append(Action(SEND_ACT, r, j, s, position_of(name, K, r, s + 1)))
+            else:
+                if s < K - 1:
+                    actions.append(Action(RECV_GRAD, r, j, s, position_of(name, K, r, s + 1)))
+                actions.append(Action(BACKWARD, r, j, s))
+                if s > 0:
+                    actions.append(Action(SEND_GRAD, r, j, s, position_of(name, K, r, s - 1)))
+        actions += [Action(SYNC), Action(STEP)]
+        lists.append(actions)
+    return lists
+
+
+def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
+    """Prove that ``lists`` is a complete, deadlock-free step of schedule (name, K, m).
+
+    Complete: every position forwards and backwards each (replica, micro-batch) of each
+    stage it runs exactly once, backward after forward, then syncs and steps once. Every
+    send has exactly one matching receive on the right peer, and a stage consumes a
+    received tensor only after receiving it. Deadlock-free: executing the lists with
+    non-blocking sends and blocking receives finishes. Raises ValueError naming the
+    first problem found.
+    """
+    if len(lists) != K:
+        raise ValueError(f"{len(lists)} action lists for K={K}")
+    R = replicas(name)
+    for p, actions in enumerate(lists):
+        expected = {(op, r, j, s) for r in range(R) for s in range(K)
+                    if position_of(name, K, r, s) == p for j in range(m) for op in COMPUTE}
+        seen: list[tuple[str, int, int, int]] = []
+        received: set[tuple[str, int, int, int]] = set()
+        for a in actions:
+            if a.op in COMPUTE:
+                key = (a.op, a.replica, a.micro, a.stage)
+                if key in seen:
+                    raise ValueError(f"position {p}: {a} appears twice")
+                if a.op == BACKWARD and (FORWARD, a.replica, a.micro, a.stage) not in seen:
+                    raise ValueError(f"position {p}: {a} before its forward")
+                needs = (RECV_ACT if a.op == FORWARD else RECV_GRAD)
+                first = a.stage == 0 if a.op == FORWARD else a.stage == K - 1
+                local = not first and position_of(name, K, a.replica,
+                                                   a.stage + (-1 if a.op == FORWARD else 1)) == p
+                if not first and not local and (needs, a.replica, a.micro, a.stage) not in received:
+                    raise ValueError(f"position {p}: {a} runs before its input is received")
+                seen.append(key)
+            elif a.op in RECVS:
+                received.add((a.op, a.replica, a.micro, a.stage))
+        if set(seen) != expected:
+            missing = sorted(expected - set(seen))
+            raise ValueError(f"position {p}: missing {missing[:3]}")
+        tail = [a.op for a in actions if a.op in (SYNC, STEP)]
+        if tail != [SYNC, STEP] or actions[-1].op != STEP:
+            raise ValueError(f"position {p}: must end with one sync then one step, got {tail}")
+    _check_messages(lists)
+    _run(lists)
+
+
+def _check_messages(lists: list[list[Action]]) -> None:
+    sends: dict[tuple, tuple[int, int]] = {}
+    recvs: dict[tuple, tuple[int, int]] = {}
+    for p, actions in enumerate(lists):
+        for a in actions:
+            if a.op in SENDS or a.op in RECVS:
+                book = sends if a.op in SENDS else recvs
+                if a.message in book:
+                    raise ValueError(f"position {p}: message {a.message} handled twice")
+                book[a.message] = (p, a.peer)
+    if sends.keys() != recvs.keys():
+        raise ValueError(f"unmatched messages: {sorted(sends.keys() ^ recvs.keys())[:3]}")
+    for msg, (src, dst) in sends.items():
+        if recvs[msg] != (dst, src):
+            raise ValueError(f"message {msg}: sent {src}->{dst} but received as {recvs[msg]}")
+
+
+def _run(lists: list[list[Action]]) -> None:
+    """Execute the lists with buffered sends and blocking receives; fail on deadlock."""
+    pc = [0] * len(lists)
+    posted: set[tuple] = set()
+    progress = True
+    while progress:
+        progress = False
+        for p, actions in enumerate(lists):
+            while pc[p] < len(actions):
+                a = actions[pc[p]]
+                if a.op in RECVS and a.message not in posted:
+                    break
+                if a.op in SENDS:
+                    posted.add(a.message)
+                pc[p] += 1
+                progress = True
+    stuck = [f"position {p} at {lists[p][pc[p]]}" for p in range(len(lists)) if pc[p] < len(lists[p])]
+    if stuck:
+        raise ValueError("deadlock: " + "; ".join(stuck))
+
+
+def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
+    """Per position, {stage: most micro-batches of that stage alive at once}.
+
+    A micro-batch is alive on a stage from its forward until its backward; under ``mast``
+    both replicas of a shared middle stage count together. The partitioner multiplies the
+    activation bytes of one micro-batch by this count (a safe bound: it sums per-stage
+    maxima, which may not coincide in time).
+    """
+    peaks = []
+    for actions in schedule(name, K, m):
+        live: dict[int, int] = {}
+        peak: dict[int, int] = {}
+        for a in actions:
+            if a.op in COMPUTE:
+                live[a.stage] = live.get(a.stage, 0) + (1 if a.op == FORWARD else -1)
+                peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+        peaks.append(dict(sorted(peak.items())))
+    return peaks
+
+
+def describe(lists: list[list[Action]]) -> str:
+    """One line per position with its compute actions, e.g. ``F d0.s0  B d0.s0``."""
+    lines = []
+    for p, actions in enumerate(lists):
+        steps = [f"{a.op[0].upper()} {REPLICA_NAMES[a.replica]}{a.micro}.s{a.stage}"
+                 for a in actions if a.op in COMPUTE]
+        lines.append(f"position {p}: " + "  ".join(steps))
+    return "\n".join(lines)
