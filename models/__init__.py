@@ -1,0 +1,99 @@
+"""The model zoo: every model is an ``nn.Sequential`` of coarse units gems may cut between.
+
+A unit is a piece whose inside cannot be cut (a stem, a residual block, an AmoebaNet cell,
+a head), so a partition is just a list of cut points. Models know nothing of stages, ranks
+or devices.
+
+Boundary convention: each unit's forward takes exactly what the previous unit returned, a
+tensor or a tuple of tensors (AmoebaNet cells pass ``(prev, cur)``), so the whole
+``nn.Sequential`` runs unchanged on one device. Dim 0 of every tensor is the batch.
+
+    >>> from gems.models import build
+    >>> model = build("resnet50", num_classes=10)
+    >>> model = build("preact-resnet", depth=1001)
+    >>> model = build("my_models.py:make_net", num_classes=2)     # your own factory
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gems.errors import GemsError
+from .amoebanet import amoebanet_d
+from .preact_resnet import preact_resnet
+from .resnet import resnet, torchvision_state_dict
+from .user import SYNTAX, build_user_model, is_user_spec
+
+__all__ = ["build", "names", "as_tuple", "torchvision_state_dict"]
+
+# name -> (builder, arguments the name fixes). Other builder arguments are the name's options.
+_REGISTRY: dict[str, tuple[Callable[..., nn.Sequential], dict[str, Any]]] = {
+    **{f"resnet{d}": (resnet, {"depth": d}) for d in (18, 34, 50, 101, 152)},
+    "wide-resnet50-2": (resnet, {"depth": 50, "width_per_group": 128}),
+    "wide-resnet101-2": (resnet, {"depth": 101, "width_per_group": 128}),
+    "preact-resnet": (preact_resnet, {}),
+    "preact-resnet110": (preact_resnet, {"depth": 110}),
+    "preact-resnet164": (preact_resnet, {"depth": 164}),
+    "preact-resnet1001": (preact_resnet, {"depth": 1001}),
+    "amoebanet-d": (amoebanet_d, {}),
+}
+
+
+def names() -> list[str]:
+    """The registered model names, in registry order."""
+    return list(_REGISTRY)
+
+
+def options(name: str) -> dict[str, Any]:
+    """The keyword options of a registered model with their defaults (for CLI help)."""
+    builder, fixed = _lookup(name)
+    return {p.name: p.default for p in inspect.signature(builder).parameters.values()
+            if p.name not in fixed and p.name != "num_classes"}
+
+
+def build(name: str, num_classes: int = 1000, **kw: Any) -> nn.Sequential:
+    """Build model ``name`` (see ``names()``) or a user factory ``file.py:factory`` /
+    ``package.module:factory``, with ``num_classes`` outputs and model options ``kw``."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise GemsError(f"num_classes must be a positive integer; got {num_classes!r}.")
+    if is_user_spec(name):
+        return build_user_model(name, num_classes, kw)
+    builder, fixed = _lookup(name)
+    clash = sorted(set(kw) & set(fixed))
+    if clash:
+        raise GemsError(f"{name} fixes {', '.join(clash)}; drop the option or use the general name "
+                        f"(e.g. 'preact-resnet' with depth=...).")
+    allowed = options(name)
+    unknown = sorted(set(kw) - set(allowed))
+    if unknown:
+        raise GemsError(f"{name} has no option {', '.join(unknown)}; its options are: "
+                        f"{', '.join(allowed) or 'none'}.")
+    return builder(num_classes=num_classes, **fixed, **kw)
+
+
+def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A unit's output as a tuple of tensors (a tensor becomes a 1-tuple): the runtime's view
+    of every stage boundary."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise GemsError(f"a unit must return a tensor or a tuple of tensors; got {_describe(x)}: change the "
+                    "unit's forward to return tensors only.")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} of ({', '.join(type(t).__name__ for t in x)})"
+    return type(x).__name__
+
+
+def _lookup(name: str) -> tuple[Callable[..., nn.Sequential], dict[str, Any]]:
+    if name not in _REGISTRY:
+        raise GemsError(f"unknown model {name!r}; choose one of {', '.join(_REGISTRY)}, or load your own "
+                        f"with {SYNTAX}.")
+    return _REGISTRY[name]
