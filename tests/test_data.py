@@ -1,0 +1,189 @@
+"""TrainData: exact resume, shards that add up to the global batch, label-only ranks that open nothing,
+bad files that are skipped instead of fatal, and a synthetic task a small CNN can learn."""
+import warnings
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from gems.data import TrainData
+from gems.errors import GemsError
+
+S = 16
+
+
+def _save(path, size, color, fmt="PNG"):
+    Image.new("RGB", size, color).save(path, fmt)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """3 classes x 4 images of mixed sizes and formats: 12 samples."""
+    root = tmp_path / "imgs"
+    for c, name in enumerate(["cat", "dog", "eel"]):
+        (root / name).mkdir(parents=True)
+        for j in range(4):
+            size = (20 + 3 * j, 17 + 5 * c)
+            color = (40 * c + 10 * j, 200 - 30 * j, 17 * c * j % 256)
+            if j % 2:
+                _save(root / name / f"{j}.jpg", size, color, "JPEG")
+            else:
+                _save(root / name / f"{j}.png", size, color)
+    return root
+
+
+def _all(data, epoch=0, start=0):
+    return list(data.batches(epoch, start))
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert (xa is None) == (xb is None) and (ya is None) == (yb is None)
+        if xa is not None:
+            assert torch.equal(xa, xb)
+        if ya is not None:
+            assert torch.equal(ya, yb)
+
+
+def test_folder_batches_are_normalised_and_deterministic(folder):
+    data = TrainData(str(folder), S, 4, 1, 0, workers=0)
+    assert (data.num_classes, data.steps_per_epoch, data.skipped) == (3, 3, 0)
+    run = _all(data)
+    x, y = run[0]
+    assert x.shape == (4, 3, S, S) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.min() < 0 < x.max()  # normalised, not raw [0, 1]
+    _same(run, _all(TrainData(str(folder), S, 4, 1, 0, workers=0)))
+    _same(_all(data, 0, 2), run[2:])  # resume from a step gives the rest of the epoch
+
+
+def test_state_dict_resumes_mid_epoch(folder):
+    data = TrainData(str(folder), S, 4, 1, 0, workers=0, seed=3)
+    full = _all(data, 1)
+    it = data.batches(1)
+    next(it)
+    state = data.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 1)
+    fresh = TrainData(str(folder), S, 4, 1, 0, workers=0, seed=3)
+    fresh.load_state_dict(state)
+    _same(_all(fresh, fresh.epoch, fresh.step), full[1:])
+    assert (fresh.epoch, fresh.step) == (2, 0)  # the epoch is done: next is epoch 2 from step 0
+    with pytest.raises(GemsError, match="same data, batch size and seed"):
+        TrainData(str(folder), S, 4, 1, 0, workers=0, seed=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("source", ["folder", "synthetic"])
+def test_group_shards_concatenate_to_the_global_batch(folder, source):
+    src = str(folder) if source == "folder" else "synthetic"
+    kw = dict(synthetic_size=12) if source == "synthetic" else {}
+    whole = _all(TrainData(src, S, 4, 1, 0, workers=0, **kw))
+    shards = [_all(TrainData(src, S, 4, 2, d, workers=2 * d, **kw)) for d in range(2)]  # workers 0 and 2
+    for k, (x, y) in enumerate(whole):
+        assert shards[0][k][0].shape[0] == 2
+        assert torch.equal(torch.cat([shards[0][k][0], shards[1][k][0]]), x)
+        assert torch.equal(torch.cat([shards[0][k][1], shards[1][k][1]]), y)
+
+
+def test_epochs_reshuffle(folder):
+    data = TrainData(str(folder), S, 12, 1, 0, workers=0)
+    (x0, y0), = _all(data, 0)
+    (x1, y1), = _all(data, 1)
+    assert not torch.equal(x0, x1)
+    assert sorted(y0.tolist()) == sorted(y1.tolist()) == [0] * 4 + [1] * 4 + [2] * 4  # each image once
+
+
+def test_label_only_rank_opens_no_image(folder, monkeypatch):
+    full = _all(TrainData(str(folder), S, 4, 2, 1, workers=0))
+
+    def refuse(*args, **kw):
+        raise AssertionError("a label-only rank opened an image")
+
+    monkeypatch.setattr(Image, "open", refuse)
+    labels = TrainData(str(folder), S, 4, 2, 1, workers=0, need_images=False)
+    got = _all(labels)
+    assert all(x is None for x, _ in got) and labels.skipped == 0
+    assert all(torch.equal(y, yf) for (_, y), (_, yf) in zip(got, full))
+    nothing = _all(TrainData(str(folder), S, 4, 2, 1, need_images=False, need_labels=False))
+    assert nothing == [(None, None)] * 3
+
+
+def test_synthetic_label_only_rank_generates_no_image():
+    huge = 1 << 20  # one 3 x 2^20 x 2^20 image would need 12 TiB: only never creating it passes
+    labels = _all(TrainData("synthetic", huge, 4, 2, 1, num_classes=7, synthetic_size=12, need_images=False))
+    small = _all(TrainData("synthetic", S, 4, 2, 1, num_classes=7, synthetic_size=12, workers=0))
+    assert all(x is None for x, _ in labels)
+    assert all(torch.equal(y, ys) for (_, y), (_, ys) in zip(labels, small))
+    x, y = small[0]
+    assert x.shape == (2, 3, S, S) and x.dtype == torch.float32 and y.dtype == torch.int64
+
+
+def test_corrupt_files_are_zeroed_warned_once_and_counted_with_workers(folder):
+    (folder / "cat" / "bad.jpg").write_bytes(b"not an image at all")
+    good = folder / "dog" / "0.png"
+    (folder / "dog" / "cut.png").write_bytes(good.read_bytes()[:60])  # truncated inside the pixel data
+    data = TrainData(str(folder), S, 7, 1, 0, workers=2)  # 14 samples: 2 steps, every sample used
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [_all(data, e) for e in range(2)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 2, messages  # once per file, not once per epoch
+    assert any("bad.jpg" in m for m in messages) and any("cut.png" in m for m in messages)
+    assert data.skipped == 4  # 2 files x 2 epochs
+    zero_rows = [(x[i], y[i]) for run in epochs for x, y in run for i in range(len(y)) if not x[i].any()]
+    assert len(zero_rows) == 4
+    assert sorted(int(y) for _, y in zero_rows) == [0, 0, 1, 1]  # labels kept: cat=0, dog=1
+
+
+def test_decompression_bomb_is_rejected_from_the_header(folder):
+    bomb = folder / "eel" / "bomb.png"
+    _save(bomb, (400, 300), (1, 2, 3))
+    raw = bomb.read_bytes()
+    bomb.write_bytes(raw[:raw.index(b"IDAT") + 8])  # headers only: decoding it would fail differently
+    data = TrainData(str(folder), S, 13, 1, 0, workers=0, max_image_pixels=50_000)
+    with pytest.warns(RuntimeWarning, match=r"bomb.png: it has 400x300 = 120000 pixels"):
+        _all(data)
+    assert data.skipped == 1
+
+
+def test_synthetic_task_is_learnable():
+    torch.manual_seed(0)
+    data = TrainData("synthetic", S, 32, 1, 0, num_classes=4, workers=0, synthetic_size=32 * 30)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    losses = []
+    for x, y in data.batches(0):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+@pytest.mark.parametrize("make,kw,match", [
+    (lambda t: str(t / "missing"), {}, "neither 'synthetic' nor an existing folder"),
+    (lambda t: "imagenet", {}, "neither 'synthetic' nor an existing folder"),
+    (lambda t: str(t / "empty"), {}, "no class subfolders"),
+    (lambda t: str(t / "noimages"), {}, "no class subfolders"),
+    (lambda t: str(t / "file.txt"), {}, "is a file, not a folder"),
+    (lambda t: str(t / "few"), {}, "fewer than one global batch"),
+    (lambda t: "synthetic", {"batch_size": 6, "groups": 4}, "multiple of 4"),
+    (lambda t: "synthetic", {"image_size": 0}, "image_size must be an integer >= 1"),
+    (lambda t: "synthetic", {"group": 2, "groups": 2}, "pass 0 <= group < 2"),
+    (lambda t: "synthetic", {"synthetic_size": 3}, "fewer than one global batch"),
+    (lambda t: str(t / "few"), {"batch_size": 1, "num_classes": 5}, "1 class folders but num_classes is 5"),
+])
+def test_bad_input_names_the_fix(tmp_path, make, kw, match):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "noimages" / "a").mkdir(parents=True)
+    (tmp_path / "noimages" / "a" / "notes.txt").write_text("x")
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "few" / "a").mkdir(parents=True)
+    _save(tmp_path / "few" / "a" / "0.png", (8, 8), (0, 0, 0))
+    args = dict(image_size=S, batch_size=4, groups=1, group=0) | kw
+    with pytest.raises(GemsError, match=match):
+        TrainData(make(tmp_path), args.pop("image_size"), args.pop("batch_size"), args.pop("groups"),
+                  args.pop("group"), workers=0, **args)
