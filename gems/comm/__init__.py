@@ -1,0 +1,84 @@
+"""Communication between the ranks of a gems job: the only package that talks MPI or torch.distributed.
+
+    comm = gems.comm.create("mpi")                     # or "torch" (gloo on CPU, NCCL on CUDA)
+    with comm.guard():                                 # any exception: one line, whole job aborted
+        req = comm.irecv((buf_a, buf_b), src=0, tag=3) # buffers preallocated, filled in place
+        comm.wait(req, "activations of micro-batch 3") # polls with back-off; CommTimeout if too long
+        comm.allreduce(grads, mirror_group, "gradients of stage 1")
+
+Every process is started by ``mpiexec -n N python ...`` (or ``srun``), for both backends: the
+torch backend builds its process group from the MPI rank and size.
+
+Waiting never blocks inside MPI or torch: ``Comm.wait`` tests the request, sleeps 50 us, tests,
+sleeps 100 us, ... up to 2 ms, because MPI's blocking waits spin a core that an oversubscribed
+node's computing ranks need, and because a loop can give up: after ``timeout`` seconds it raises
+``CommTimeout`` naming the rank, the peer and the action, and ``Comm.guard`` aborts the job.
+
+Messages: a tuple of tensors is one message per tensor, wire tag ``tag * 16 + index``; so at most
+16 tensors per tuple and tags up to ``(TAG_UB - 15) // 16`` (MPICH: 33,554,431; torch: 134,217,727).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, Request
+from gems.errors import GemsError
+
+__all__ = ["create", "Comm", "Group", "Request", "CommTimeout", "Backoff", "TENSORS_PER_MESSAGE",
+           "default_threads", "configure_threads"]
+
+BACKENDS = ("mpi", "torch")
+
+
+def create(backend: str = "mpi", device: torch.device | str | None = None, timeout: float = 300.0,
+           backoff: Backoff = Backoff()) -> Comm:
+    """The communicator of this process (COLLECTIVE: every rank calls it once, at start-up).
+
+    ``device``: where this rank's tensors live (default CPU); picks NCCL for the torch backend on
+    CUDA. ``timeout``: seconds any single wait may last before CommTimeout (keep it above the
+    longest compute between two messages). ``backoff``: the sleeps of the polling loop."""
+    if backend not in BACKENDS:
+        raise GemsError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if not timeout > 0:
+        raise GemsError(f"the communication timeout must be a positive number of seconds, got {timeout}")
+    device = torch.device(device if device is not None else "cpu")
+    if backend == "mpi":
+        from gems.comm.mpi_backend import MPIComm
+
+        return MPIComm(device, float(timeout), backoff)
+    from gems.comm.torch_backend import TorchComm
+
+    return TorchComm(device, float(timeout), backoff)
+
+
+def _cores() -> set[int]:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def default_threads(local_size: int, cores: int | None = None) -> int:
+    """Intra-op threads for one of ``local_size`` ranks sharing ``cores`` cores (default: the
+    cores this process may run on): an equal share, at least one."""
+    cores = len(_cores()) if cores is None else cores
+    return max(1, cores // max(1, local_size))
+
+
+def configure_threads(comm: Comm) -> int:
+    """Set torch's intra-op threads to this rank's share of its cores, unless OMP_NUM_THREADS is
+    set; returns the thread count. COLLECTIVE (every rank calls it).
+
+    The share counts only the ranks of this node whose allowed cores overlap ours: if the launcher
+    pinned each rank to its own cores (srun --cpus-per-task), a rank uses all of them; if all
+    ranks may run everywhere, they split the cores evenly. Oversubscribing cores with threads
+    slows every rank down, most of all the ones on the pipeline's critical path."""
+    mine = _cores()
+    peers = comm.allgather_object((socket.gethostname(), sorted(mine)))
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    host = socket.gethostname()
+    sharing = sum(1 for h, cores in peers if h == host and mine.intersection(cores))
+    threads = default_threads(sharing, len(mine))
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,118 @@
+"""Shared test helpers. ``run_mpi`` launches a script on N MPI ranks with a hard timeout.
+
+    def test_ring(run_mpi):                                   # as a fixture ...
+        result = run_mpi(3, DISTRIBUTED / "comm_worker.py", "mpi", "features", timeout=60)
+        assert result.stdout.count(": ok") == 3
+
+    from conftest import run_mpi                              # ... or imported, same function
+
+A script run this way should wrap its work in ``with comm.guard():`` so that a failing rank
+aborts the whole job at once (one line on stderr) instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DISTRIBUTED = REPO / "tests" / "distributed"
+
+
+def mpiexec() -> str:
+    """The launcher: $GEMS_MPIEXEC, else the one beside this Python (the venv's mpich), else PATH's."""
+    for candidate in (os.environ.get("GEMS_MPIEXEC"), Path(sys.executable).parent / "mpiexec"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found (install the 'mpich' extra or set GEMS_MPIEXEC)")
+    return found
+
+
+@dataclass
+class MpiResult:
+    """What a launch left behind: exit code of mpiexec, all ranks' output, wall time in seconds."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+
+    def tail(self, chars: int = 4000) -> str:
+        return f"--- stdout ---\n{self.stdout[-chars:]}\n--- stderr ---\n{self.stderr[-chars:]}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc). Needed because hydra puts its proxies and the
+    ranks in sessions of their own, out of reach of a process-group kill."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL mpiexec, its process group, and every descendant (ranks included)."""
+    tree = _descendants(proc.pid)
+    for kill in [lambda: os.killpg(proc.pid, signal.SIGKILL)] + \
+                [lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in tree]:
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_mpi(n: int, script: str | os.PathLike, *args: str, timeout: float = 60.0,
+            env: dict[str, str] | None = None, check: bool = True) -> MpiResult:
+    """Run ``mpiexec -n n python script *args`` from the repository root and return its result.
+
+    * ``timeout``: hard limit in seconds; past it every process of the launch is SIGKILLed and
+      the test fails with the output so far (a hang never outlives its test).
+    * ``env``: variables added to the environment. OMP_NUM_THREADS defaults to 1 (many ranks
+      share few cores in tests) and PYTHONUNBUFFERED to 1 (ranks' output arrives as printed).
+    * ``check``: fail the test, showing the output, unless mpiexec exits with 0. Pass
+      ``check=False`` to inspect a launch that is meant to fail.
+    """
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    command = [mpiexec(), "-n", str(n), sys.executable, str(script), *map(str, args)]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process that escaped the kill still holds the pipes
+            stdout, stderr = "", "(output lost: some process of the launch survived SIGKILL)"
+        result = MpiResult(proc.returncode, stdout, stderr, time.monotonic() - start)
+        pytest.fail(f"{' '.join(command)} still ran after {timeout}s and was killed\n{result.tail()}")
+    result = MpiResult(proc.returncode, stdout, stderr, time.monotonic() - start)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited with {result.returncode}\n{result.tail()}")
+    return result
+
+
+@pytest.fixture(name="run_mpi")
+def _run_mpi_fixture():
+    """The ``run_mpi`` function, as a fixture."""
+    return run_mpi

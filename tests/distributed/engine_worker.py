@@ -1,0 +1,130 @@
+"""Run under mpiexec: trains tiny models with every schedule on this launch's ranks and
+checks the result against one process training on the same global batch.
+
+    mpiexec -n 4 python tests/distributed/engine_worker.py transparency --stages 2,4
+
+Modes:
+  transparency  BatchNorm-free model: state dict and losses after 3 SGD steps equal the
+                single-process reference within --rtol, for every schedule and m in {1, 2}.
+  batchnorm     model with BatchNorm: every copy of every stage identical after the steps.
+  tuples        AmoebaNet-D (tuple boundaries), eval-mode BatchNorm, against the reference.
+Prints one "ok ..." line per configuration on rank 0; any mismatch raises (and aborts).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import gems
+from gems import comm as comm_lib
+from gems import models, partition
+from gems.schedule import SCHEDULES
+
+SIDE = 16
+
+
+def tiny(batchnorm: bool) -> nn.Sequential:
+    def block(cin, cout):
+        layers = [nn.Conv2d(cin, cout, 3, padding=1)]
+        layers += [nn.BatchNorm2d(cout)] if batchnorm else []
+        return nn.Sequential(*layers, nn.ReLU())
+    return nn.Sequential(block(3, 8), block(8, 8), block(8, 8), block(8, 8), block(8, 8),
+                         nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)))
+
+
+def build(kind: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    if kind == "tuples":
+        return models.build("amoebanet-d", num_classes=5, num_layers=3, num_filters=8)
+    return tiny(batchnorm=kind == "batchnorm")
+
+
+def data(batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(batch, 3, SIDE, SIDE, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference(kind: str, batch: int, steps: int):
+    model = build(kind)
+    if kind == "tuples":
+        model.eval()
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = data(batch, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float) -> str:
+    D = comm.size // K
+    batch = D * (2 if schedule == "mast" else 1) * m * 2
+    model = build(kind)
+    if kind == "tuples":
+        model.eval()
+    plan = partition.plan(model, input_shape=(3, SIDE, SIDE), batch_size=batch, stages=K,
+                          schedule=schedule, micro_batches=m, groups=D)
+    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    losses = [engine.step(*data(batch, step)) for step in range(steps)]
+    state = engine.state_dict()
+    where = f"{kind} {schedule} K={K} D={D} m={m}"
+    if kind == "batchnorm":
+        copies = comm.allgather_object({k: v.detach().cpu() for s in engine.stages.values()
+                                        for k, v in s.state_dict().items()})
+        for k, v in state.items():
+            for rank, c in enumerate(copies):
+                if k in c and not torch.equal(c[k], v):
+                    raise RuntimeError(f"{where}: rank {rank} holds a different copy of {k}")
+        return f"ok {where}: {len(copies)} ranks, every copy identical"
+    ref_state, ref_losses = reference(kind, batch, steps)
+    if list(state) != list(ref_state):
+        raise RuntimeError(f"{where}: state dict keys differ from the model's")
+    worst = 0.0
+    for k, v in ref_state.items():
+        if v.is_floating_point():
+            err = ((state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+            worst = max(worst, err)
+        elif not torch.equal(state[k], v):
+            raise RuntimeError(f"{where}: {k} differs")
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    if worst > rtol or loss_err > rtol:
+        raise RuntimeError(f"{where}: max relative error {worst:.2e} (params), {loss_err:.2e} (loss) "
+                           f"exceeds {rtol:.0e}")
+    return f"ok {where}: max relative error {worst:.1e} params, {loss_err:.1e} loss"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["transparency", "batchnorm", "tuples"])
+    p.add_argument("--stages", default="2")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--micro-batches", default="1,2")
+    p.add_argument("--backend", default="mpi")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rtol", type=float, default=1e-5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    comm = comm_lib.create(args.backend, timeout=60)
+    with comm.guard():
+        for K in map(int, args.stages.split(",")):
+            for schedule in args.schedules.split(","):
+                for m in map(int, args.micro_batches.split(",")):
+                    if schedule == "mp" and m > 1:
+                        continue
+                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol)
+                    if comm.rank == 0:
+                        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
