@@ -42,3 +42,12 @@ def test_tuple_boundaries_amoebanet():
 def test_torch_distributed_backend():
     expect_ok(run_mpi(2, WORKER, "transparency", "--backend", "torch", "--schedules", "mast,1f1b",
                       timeout=180), 4)
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_ends_the_whole_job(how):
+    result = run_mpi(2, WORKER, how, timeout=90, check=False)
+    assert result.returncode != 0, result.tail()
+    assert "finished although" not in result.stdout, result.tail()
+    if how == "raise":
+        assert (result.stdout + result.stderr).count("rank 1 failed: RuntimeError: injected failure") == 1

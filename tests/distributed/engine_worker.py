@@ -8,11 +8,15 @@ Modes:
                 single-process reference within --rtol, for every schedule and m in {1, 2}.
   batchnorm     model with BatchNorm: every copy of every stage identical after the steps.
   tuples        AmoebaNet-D (tuple boundaries), eval-mode BatchNorm, against the reference.
+  raise / kill  the last rank raises in (or is SIGKILLed during) its second forward: the
+                job must end, non-zero, on every rank.
 Prints one "ok ..." line per configuration on rank 0; any mismatch raises (and aborts).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import torch
 from torch import nn
@@ -103,9 +107,32 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float)
     return f"ok {where}: max relative error {worst:.1e} params, {loss_err:.1e} loss"
 
 
+def fail(comm, how: str) -> None:
+    """Train mast on K = world; the last rank fails inside its second forward."""
+    model = build("transparency")
+    plan = partition.plan(model, input_shape=(3, SIDE, SIDE), batch_size=2, stages=comm.size,
+                          schedule="mast")
+    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    calls = 0
+
+    def forward_hook(module, inputs):
+        nonlocal calls
+        calls += 1
+        if comm.rank == comm.size - 1 and calls == 2:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure in forward")
+
+    for stage in engine.stages.values():
+        stage.register_forward_pre_hook(forward_hook)
+    for step in range(3):
+        engine.step(*data(2, step))
+    print(f"rank {comm.rank} finished although a rank failed", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["transparency", "batchnorm", "tuples"])
+    p.add_argument("mode", choices=["transparency", "batchnorm", "tuples", "raise", "kill"])
     p.add_argument("--stages", default="2")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--micro-batches", default="1,2")
@@ -116,6 +143,8 @@ def main() -> None:
     torch.set_num_threads(1)
     comm = comm_lib.create(args.backend, timeout=60)
     with comm.guard():
+        if args.mode in ("raise", "kill"):
+            return fail(comm, args.mode)
         for K in map(int, args.stages.split(",")):
             for schedule in args.schedules.split(","):
                 for m in map(int, args.micro_batches.split(",")):
