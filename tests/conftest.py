@@ -11,6 +11,7 @@ aborts the whole job at once (one line on stderr) instead of leaving the others 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -70,14 +71,20 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL mpiexec, its process group, and every descendant (ranks included)."""
+    """End mpiexec and every process below it (ranks included).
+
+    SIGTERM first, so hydra stops and reaps its ranks itself; after 3 s, SIGKILL whatever is left,
+    deepest first, so each parent can still reap its children."""
     tree = _descendants(proc.pid)
-    for kill in [lambda: os.killpg(proc.pid, signal.SIGKILL)] + \
-                [lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in tree]:
-        try:
-            kill()
-        except (ProcessLookupError, PermissionError):
-            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=3)
+    for pid in reversed(tree):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_mpi(n: int, script: str | os.PathLike, *args: str, timeout: float = 60.0,

@@ -55,7 +55,10 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
 
 
 def _cores() -> set[int]:
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
 
 
 def default_threads(local_size: int, cores: int | None = None) -> int:

@@ -135,8 +135,8 @@ class TorchComm(Comm):
 
     def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
         tags = [message_tag(tag, i, TAG_UB) for i in range(len(buffers))]
-        wires = [t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in buffers]
+        wires = [t.detach() if t.is_contiguous() else
+                 torch.empty_like(t, memory_format=torch.contiguous_format) for t in buffers]
         works = [dist.irecv(w, src, tag=wire_tag) for w, wire_tag in zip(wires, tags)]
         pairs = [(t, w) for t, w in zip(buffers, wires) if not t.is_contiguous()]
         finish = (lambda: [t.detach().copy_(w) for t, w in pairs]) if pairs else None
