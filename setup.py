@@ -19,6 +19,8 @@ setup(
     entry_points={
         "console_scripts": [
             "gems-plan=gems.cli.plan:main",
+            "gems-train=gems.cli.train:main",
+            "gems-export=gems.cli.export:main",
         ],
     },
 )

@@ -93,9 +93,6 @@ class Engine:
         if B % parts:
             raise GemsError(f"a global batch of {B} cannot be split into {self.topology.groups} groups x "
                             f"{self.replicas} replicas x {self.m} micro-batches: use a multiple of {parts}")
-        if self.m * self.replicas * 2 * 16 > 32767:
-            raise GemsError(f"{self.m} micro-batches exceed the message tags MPI guarantees: "
-                            "use fewer micro-batches (at most 511)")
         self._mb = B // parts                    # rows per micro-batch
         self._scale = self._mb / B               # micro-batch mean loss -> its share of the global mean
         self._model_keys = list(model.state_dict().keys())

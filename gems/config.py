@@ -1,0 +1,87 @@
+"""Training configuration: one dataclass, filled from the command line.
+
+Every field carries its help text; ``gems.cli.train`` turns the fields into flags
+(``batch_size`` -> ``--batch-size``), so adding an option is adding a field here.
+``validate`` checks the combinations no single flag can check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from gems.errors import GemsError
+
+
+def opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str = opt("resnet18", "registry name (gems-plan --help lists them) or path/file.py:factory")
+    num_classes: int = opt(10, "classes of the classifier head (a folder dataset sets its own)")
+    image_size: int = opt(2048, "side of the square input images, in pixels")
+    # how to split it
+    batch_size: int = opt(2, "global batch: images per optimizer step over all ranks")
+    stages: int = opt(2, "K, stages per pipeline; data-parallel groups D = ranks / K")
+    schedule: str = opt("mast", "pipeline schedule", choices=("mp", "gpipe", "1f1b", "mast"))
+    micro_batches: int = opt(1, "micro-batches per replica per step")
+    plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
+    balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
+    balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
+    memory_budget: str | None = opt(None, "per-device memory budget, e.g. 40GiB")
+    # data
+    data: str = opt("synthetic", "'synthetic' or the root of an ImageFolder tree")
+    workers: int = opt(2, "data loading processes per rank that reads images")
+    seed: int = opt(0, "seed of the model initialisation, synthetic data and shuffling")
+    # optimisation
+    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adam"))
+    lr: float = opt(0.1, "peak learning rate")
+    momentum: float = opt(0.9, "SGD momentum")
+    weight_decay: float = opt(0.0, "weight decay")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
+    lr_schedule: str = opt("cosine", "learning rate after warm-up", choices=("cosine", "constant"))
+    steps: int | None = opt(None, "optimizer steps to run (default: one epoch)")
+    epochs: int | None = opt(None, "epochs to run (instead of --steps)")
+    clip_grad_norm: float | None = opt(None, "clip the global gradient L2 norm to this value")
+    amp: str = opt("none", "mixed precision: run forwards in bfloat16", choices=("none", "bf16"))
+    skip_nonfinite: bool = opt(False, "skip a step whose loss is not finite instead of stopping")
+    # runtime
+    comm: str = opt("mpi", "communication backend", choices=("mpi", "torch"))
+    timeout: float = opt(300.0, "seconds a rank waits for a peer before aborting the job")
+    # output
+    metrics: str | None = opt(None, "write one JSON line per step to this file")
+    checkpoint_dir: str | None = opt(None, "directory for checkpoints")
+    checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end and on a signal)")
+    keep_checkpoints: int = opt(0, "keep only the newest N complete checkpoints (0: keep all)")
+    resume: bool = opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
+    dry_run: bool = opt(False, "print the plan and the batch split, then exit")
+    progress: bool = opt(True, "show a progress bar on rank 0")
+
+    def validate(self) -> None:
+        """Raise GemsError for values or combinations that cannot work."""
+        for name in ("num_classes", "image_size", "batch_size", "stages", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise GemsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.steps is not None and self.epochs is not None:
+            raise GemsError("give either --steps or --epochs, not both")
+        if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
+            raise GemsError("--steps and --epochs must be at least 1")
+        if self.resume and not self.checkpoint_dir:
+            raise GemsError("--resume needs --checkpoint-dir to find the checkpoint in")
+        if (self.checkpoint_every or self.keep_checkpoints) and not self.checkpoint_dir:
+            raise GemsError("--checkpoint-every and --keep-checkpoints need --checkpoint-dir")
+        if min(self.checkpoint_every, self.keep_checkpoints, self.warmup_steps, self.workers) < 0:
+            raise GemsError("--checkpoint-every, --keep-checkpoints, --warmup-steps and --workers "
+                            "cannot be negative")
+        if self.plan and (self.balance or self.memory_budget):
+            raise GemsError("--plan already fixes the cut points: drop --balance / --memory-budget")
+        if self.lr <= 0 or self.timeout <= 0:
+            raise GemsError("--lr and --timeout must be positive")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise GemsError("--clip-grad-norm must be positive")
+
+
+def config_fields():
+    """The dataclass fields, in declaration order (for building the CLI)."""
+    return fields(TrainConfig)

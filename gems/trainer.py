@@ -1,0 +1,209 @@
+"""The training loop behind ``gems-train``: data, engine, checkpoints, signals, metrics.
+
+Exit statuses: 0 done, 1 failure (e.g. a non-finite loss), 2 bad input, 3 stopped by
+SIGTERM/SIGUSR1 after saving a checkpoint (Slurm preemption: requeue and ``--resume``).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gems import checkpoint, models, partition
+from gems import schedule as sch
+from gems.config import TrainConfig
+from gems.data import TrainData
+from gems.errors import GemsError
+from gems.metrics import Metrics
+from gems.topology import Topology
+from gems.units import parse_size
+
+PREEMPTED = 3
+
+
+def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to zero (or constant); a pure function of the step,
+    so a resumed run follows the same curve."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(cfg: TrainConfig):
+    if cfg.optimizer == "adam":
+        return lambda params: torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return lambda params: torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                                          weight_decay=cfg.weight_decay)
+
+
+def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int):
+    if cfg.plan:
+        plan = partition.Plan.from_json(cfg.plan)
+        wanted = {"stages": cfg.stages, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
+                  "batch_size": cfg.batch_size}
+        for key, value in wanted.items():
+            if getattr(plan, key) != value:
+                raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
+                                f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
+                                "or make a new plan")
+        if plan.cuts[-1] != len(model):
+            raise GemsError(f"{cfg.plan} cuts {plan.cuts[-1]} units but {cfg.model} has {len(model)}: "
+                            "make the plan for this model")
+        return plan
+    balance = None
+    if cfg.balance:
+        try:
+            balance = [int(x) for x in cfg.balance.split(",")]
+        except ValueError:
+            raise GemsError(f"--balance takes comma-separated unit counts like 3,5,4, got {cfg.balance!r}") from None
+    return partition.plan(model, input_shape=(3, cfg.image_size, cfg.image_size), batch_size=cfg.batch_size,
+                          stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+                          balance_by=cfg.balance_by, balance=balance, optimizer=cfg.optimizer,
+                          memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
+                          groups=groups, model_name=cfg.model)
+
+
+def split_line(cfg: TrainConfig, topo: Topology) -> str:
+    R = sch.replicas(cfg.schedule)
+    per_group = cfg.batch_size // topo.groups
+    return (f"batch {cfg.batch_size} = {topo.groups} group(s) x {per_group} images; per group "
+            f"{R} replica(s) x {per_group // R} images; per replica {cfg.micro_batches} micro-batch(es) x "
+            f"{per_group // R // cfg.micro_batches} images  [K={cfg.stages}, D={topo.groups}, "
+            f"world={topo.world}, schedule {cfg.schedule}]")
+
+
+def check_split(cfg: TrainConfig, topo: Topology) -> None:
+    parts = topo.groups * sch.replicas(cfg.schedule) * cfg.micro_batches
+    if cfg.batch_size % parts:
+        raise GemsError(f"--batch-size {cfg.batch_size} does not split into {topo.groups} group(s) x "
+                        f"{sch.replicas(cfg.schedule)} replica(s) x {cfg.micro_batches} micro-batch(es): "
+                        f"use a multiple of {parts}")
+
+
+class _Signals:
+    """Remembers SIGTERM/SIGUSR1 so the loop can stop after the current step."""
+
+    def __init__(self) -> None:
+        self.caught = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._catch)
+
+    def _catch(self, signum, frame) -> None:
+        self.caught = signum
+
+
+@dataclass
+class Job:
+    """Everything ``prepare`` checked and built; ``run`` trains it."""
+    cfg: TrainConfig
+    comm: object
+    topo: Topology
+    data: TrainData
+    model: nn.Sequential | None
+    plan: object
+    resume_from: Path | None
+    resume_state: tuple | None
+
+
+def prepare(cfg: TrainConfig, comm) -> Job | None:
+    """Check the configuration and build the pieces, with no collective communication, so
+    a user error surfaces on every rank before any rank waits on another. Returns None
+    for ``--dry-run``."""
+    cfg.validate()
+    topo = Topology(comm.size, cfg.stages, cfg.schedule)
+    check_split(cfg, topo)
+    group, position = topo.coords(comm.rank)
+    held = topo.holds(position)
+    data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group,
+                     num_classes=cfg.num_classes if cfg.data == "synthetic" else None, seed=cfg.seed,
+                     workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model, num_classes=data.num_classes)
+    plan = make_plan(cfg, model, topo.groups)
+    if comm.rank == 0:
+        print(f"gems-train: {split_line(cfg, topo)}", flush=True)
+    if cfg.dry_run:
+        if comm.rank == 0:
+            print(plan.table(), flush=True)
+        return None
+    resume_from, resume_state = None, None
+    if cfg.checkpoint_dir:
+        checkpoint.check_writable(cfg.checkpoint_dir)
+        if cfg.resume:
+            found = checkpoint.complete(cfg.checkpoint_dir)
+            if not found:
+                raise GemsError(f"--resume found no complete checkpoint in {cfg.checkpoint_dir}: "
+                                "drop --resume to start fresh")
+            resume_from = found[-1]
+            meta = checkpoint.read_manifest(resume_from)
+            if (meta.get("model"), meta.get("num_classes")) != (cfg.model, data.num_classes):
+                raise GemsError(f"{resume_from} holds {meta.get('model')} with {meta.get('num_classes')} "
+                                f"classes, not {cfg.model} with {data.num_classes}: use another "
+                                "--checkpoint-dir or drop --resume")
+            units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
+            resume_state = checkpoint.load_stages(resume_from, units)
+    return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state)
+
+
+def run(job: Job) -> int:
+    """Train; every rank calls it. Returns the exit status."""
+    cfg, comm, data, plan = job.cfg, job.comm, job.data, job.plan
+    rank0 = comm.rank == 0
+    from gems.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
+    engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=nn.CrossEntropyLoss(), comm=comm,
+                    timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
+                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None)
+    job.model = None  # the engine keeps only this rank's stages
+    start = 0
+    if job.resume_state is not None:
+        manifest, model_state, optimizer_state, param_groups = job.resume_state
+        engine.load_state(model_state, optimizer_state, param_groups)
+        checkpoint.restore_rng(job.resume_from, manifest, engine)
+        start = manifest["step"]
+        if rank0:
+            print(f"gems-train: resumed from {job.resume_from} at step {start}", flush=True)
+    total = cfg.steps if cfg.steps is not None else (cfg.epochs or 1) * data.steps_per_epoch
+    meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size}
+    metrics = Metrics(cfg, comm, engine, plan, start, total)
+    signals = _Signals()
+    stream, stream_epoch = None, None
+    step = start
+    try:
+        while step < total:
+            epoch, k = divmod(step, data.steps_per_epoch)
+            if stream_epoch != epoch:
+                stream, stream_epoch = data.batches(epoch, k), epoch
+            images, labels = next(stream)
+            for g in engine.optimizer.param_groups:
+                g["lr"] = learning_rate(cfg, step, total)
+            began = time.perf_counter()
+            loss = engine.step(images, labels)
+            step += 1
+            stop = metrics.record(step, loss, time.perf_counter() - began, data.skipped, signals.caught)
+            if not engine.last_step_applied and not cfg.skip_nonfinite:
+                if rank0:
+                    print(f"gems-train: error: the loss is not finite at step {step} ({loss}); the update "
+                          "was not applied: lower --lr, set --clip-grad-norm, or pass --skip-nonfinite",
+                          file=sys.stderr, flush=True)
+                return 1
+            if cfg.checkpoint_dir and (stop or step == total or
+                                       (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                path = checkpoint.save(engine, cfg.checkpoint_dir, step, meta, cfg.keep_checkpoints)
+                metrics.note(f"checkpoint {path}")
+            if stop:
+                metrics.note(f"stopped by signal after step {step}"
+                             + ("" if cfg.checkpoint_dir else " (no --checkpoint-dir: nothing saved)"))
+                return PREEMPTED
+    finally:
+        metrics.close()
+    metrics.summary()
+    return 0

@@ -1,0 +1,9 @@
+"""A user model factory for tests: ``--model tests/assets/tiny_model.py:tiny``."""
+from torch import nn
+
+
+def tiny(num_classes: int = 10) -> nn.Sequential:
+    def block(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+    return nn.Sequential(block(3, 8), block(8, 16, 2), block(16, 16), block(16, 16, 2),
+                         nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes)))

@@ -1,0 +1,199 @@
+"""gems-train end to end: learning, data-parallel groups, folders with a corrupt file,
+bit-exact resume after a kill, torn checkpoint writes, preemption signals, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DISTRIBUTED, REPO, _descendants, _kill_tree, mpiexec, run_mpi
+
+TRAIN = Path(sys.executable).parent / "gems-train"
+TINY = "tests/assets/tiny_model.py:tiny"
+BASE = ["--model", TINY, "--image-size", "32", "--workers", "0", "--no-progress", "--lr", "0.05"]
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def single(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """gems-train as one process (MPI singleton)."""
+    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_two_ranks_mast_learns_and_exports(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = run_mpi(2, TRAIN, *BASE, "--batch-size", "8", "--stages", "2", "--steps", "30",
+                     "--num-classes", "4", "--metrics", metrics, "--checkpoint-dir", tmp_path / "ck",
+                     timeout=240)
+    assert "gems-train: done" in result.stdout
+    assert "per replica 1 micro-batch(es) x 4 images" in result.stdout
+    seen = losses(metrics)
+    assert len(seen) == 30
+    assert sum(seen[-5:]) / 5 < 0.6 * sum(seen[:5]) / 5, seen
+    line = json.loads(metrics.read_text().splitlines()[-1])
+    assert len(line["peak_memory"]) == 2 and line["skipped_images"] == 0
+    out = tmp_path / "model.pt"
+    subprocess.run([sys.executable, str(TRAIN.parent / "gems-export"), str(tmp_path / "ck"), str(out)],
+                   check=True, cwd=REPO)
+    sys.path.insert(0, str(REPO / "tests" / "assets"))
+    from tiny_model import tiny  # noqa: PLC0415
+    tiny(num_classes=4).load_state_dict(torch.load(out, weights_only=True))
+
+
+def make_folder(root: Path) -> Path:
+    from PIL import Image  # noqa: PLC0415
+    for c, colour in enumerate(["red", "blue"]):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(4 - c):
+            Image.new("RGB", (40, 36), colour).save(root / f"class{c}" / f"{i}.png")
+    (root / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    return root
+
+
+def test_four_ranks_two_groups_on_a_folder_with_a_corrupt_file(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = run_mpi(4, TRAIN, *BASE, "--data", make_folder(tmp_path / "data"), "--batch-size", "4",
+                     "--stages", "2", "--steps", "2", "--metrics", metrics, timeout=240)
+    assert "gems-train: done" in result.stdout
+    assert "4 = 2 group(s) x 2 images" in result.stdout
+    assert "broken.png" in result.stderr
+    assert json.loads(metrics.read_text().splitlines()[-1])["skipped_images"] == 1
+
+
+def launch(args: list, ranks: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([mpiexec(), "-n", str(ranks), sys.executable, str(TRAIN), *map(str, args)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def ranks_of(proc: subprocess.Popen) -> list[int]:
+    pids = []
+    for pid in _descendants(proc.pid):
+        try:
+            if "gems-train" in Path(f"/proc/{pid}/cmdline").read_text():
+                pids.append(pid)
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early: {proc.communicate()}")
+        time.sleep(0.1)
+    _kill_tree(proc)
+    pytest.fail("run made no progress")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail("run did not end")
+    return proc.returncode, out, err
+
+
+def test_resume_after_sigkill_reproduces_the_losses_bit_for_bit(tmp_path):
+    common = [*BASE, "--batch-size", "4", "--stages", "2", "--steps", "8", "--checkpoint-every", "3",
+              "--lr-schedule", "constant"]  # the learning rate must not depend on --steps here
+    run_mpi(2, TRAIN, *common, "--checkpoint-dir", tmp_path / "a", "--metrics", tmp_path / "a.jsonl",
+            timeout=240)
+    proc = launch([*common, "--checkpoint-dir", tmp_path / "b", "--metrics", tmp_path / "b.jsonl",
+                   "--steps", "400"])  # long, so the kill lands mid-run
+    wait_for_lines(tmp_path / "b.jsonl", 4, proc)
+    os.kill(ranks_of(proc)[-1], signal.SIGKILL)
+    code, _, _ = finish(proc)
+    assert code != 0
+    run_mpi(2, TRAIN, *common, "--checkpoint-dir", tmp_path / "b", "--metrics", tmp_path / "b.jsonl",
+            "--resume", timeout=240)
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert a[3:] == b[-5:], (a, b)
+
+
+def test_a_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
+    ck = tmp_path / "ck"
+    args = [*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "4",
+            "--checkpoint-dir", ck, "--checkpoint-every", "1"]
+    proc = subprocess.run([sys.executable, str(DISTRIBUTED / "kill_in_save.py"), "3", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    torn = ck / "step-00000003"
+    assert torn.is_dir() and not (torn / "manifest.json").exists()
+    result = single(*map(str, args), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout and "step-00000002 at step 2" in result.stdout
+
+
+def test_sigusr1_saves_and_exits_with_code_3(tmp_path):
+    common = [*BASE, "--batch-size", "4", "--stages", "2", "--checkpoint-dir", tmp_path / "ck"]
+    proc = launch([*common, "--steps", "400", "--metrics", tmp_path / "m.jsonl"])
+    wait_for_lines(tmp_path / "m.jsonl", 2, proc)
+    for pid in ranks_of(proc):
+        os.kill(pid, signal.SIGUSR1)
+    code, out, _ = finish(proc)
+    assert code == 3, out
+    assert "stopped by signal" in out
+    saved = sorted((tmp_path / "ck").glob("step-*/manifest.json"))
+    assert saved, out
+    result = run_mpi(2, TRAIN, *common, "--steps", str(int(saved[-1].parent.name[5:]) + 1), "--resume",
+                     timeout=240)
+    assert "gems-train: done" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    ck = tmp_path_factory.mktemp("ck")
+    result = single(*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "1",
+                    "--checkpoint-dir", str(ck))
+    assert result.returncode == 0, result.stderr
+    return ck
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "2"], "cannot form pipelines of 2 stages"),
+    (["--stages", "1", "--batch-size", "3"], "use a multiple of 2"),
+    (["--stages", "1", "--model", "nosuchnet"], "nosuchnet"),
+    (["--stages", "1", "--data", "/nonexistent/images"], "/nonexistent/images"),
+    (["--stages", "1", "--steps", "2", "--epochs", "1"], "either --steps or --epochs"),
+    (["--stages", "1", "--resume"], "--resume needs --checkpoint-dir"),
+    (["--stages", "1", "--checkpoint-dir", "/proc/gems-checkpoints"], "choose a writable --checkpoint-dir"),
+    (["--stages", "1", "--schedule", "zigzag"], "invalid choice"),
+    (["--stages", "1", "--memory-budget", "40GB?"], "40GB?"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(args, message):
+    result = single(*BASE, "--batch-size", "2", *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_resume_checks(tmp_path, tiny_checkpoint):
+    empty = single(*BASE, "--batch-size", "2", "--stages", "1", "--resume", "--checkpoint-dir", str(tmp_path))
+    assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr
+    other = single("--model", "resnet18", "--image-size", "64", "--batch-size", "2", "--stages", "1",
+                   "--workers", "0", "--resume", "--checkpoint-dir", str(tiny_checkpoint))
+    assert other.returncode == 2 and "not resnet18" in other.stderr, other.stderr
+    assert "Traceback" not in empty.stderr + other.stderr
+
+
+def test_dry_run_prints_plan_and_split():
+    result = single(*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe",
+                    "--micro-batches", "2", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "per replica 2 micro-batch(es) x 2 images" in result.stdout
