@@ -36,7 +36,7 @@ class TrainConfig:
     seed: int = opt(0, "seed of the model initialisation, synthetic data and shuffling")
     # optimisation
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adam"))
-    lr: float = opt(0.1, "peak learning rate")
+    lr: float = opt(0.01, "peak learning rate (small: very large images mean few images per step)")
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(0.0, "weight decay")
     warmup_steps: int = opt(0, "linear learning-rate warm-up steps")

@@ -31,6 +31,11 @@ def test_transparency_six_ranks_odd_k_with_data_parallelism():
                       "--micro-batches", "1", timeout=180), 2)
 
 
+def test_gradient_clipping_uses_the_global_norm():
+    expect_ok(run_mpi(4, WORKER, "transparency", "--stages", "2,4", "--schedules", "mast,1f1b",
+                      "--micro-batches", "2", "--clip", "0.05", timeout=180), 4)
+
+
 def test_batchnorm_copies_stay_identical():
     expect_ok(run_mpi(4, WORKER, "batchnorm", "--stages", "2,4", timeout=180), 14)
 

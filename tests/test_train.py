@@ -197,3 +197,19 @@ def test_dry_run_prints_plan_and_split():
                     "--micro-batches", "2", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "per replica 2 micro-batch(es) x 2 images" in result.stdout
+
+
+def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_path):
+    ck = tmp_path / "ck"
+    run_mpi(2, TRAIN, *BASE, "--batch-size", "4", "--stages", "2", "--steps", "2", "--checkpoint-dir", ck,
+            timeout=240)
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, str(TRAIN.parent / "gems-plan"), "--model", TINY, "--image-size", "32",
+                    "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
+                    "--json", str(plan)], check=True, cwd=REPO, capture_output=True)
+    result = single(*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
+                    "--plan", str(plan), "--steps", "3", "--checkpoint-dir", str(ck), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "at step 2" in result.stdout and "gems-train: done" in result.stdout
+    mismatch = single(*BASE, "--batch-size", "4", "--stages", "1", "--plan", str(plan), "--steps", "1")
+    assert mismatch.returncode == 2 and "pass --schedule gpipe" in mismatch.stderr, mismatch.stderr

@@ -54,7 +54,7 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def reference(kind: str, batch: int, steps: int):
+def reference(kind: str, batch: int, steps: int, clip: float | None = None):
     model = build(kind)
     if kind == "tuples":
         model.eval()
@@ -65,12 +65,15 @@ def reference(kind: str, batch: int, steps: int):
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return model.state_dict(), losses
 
 
-def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float) -> str:
+def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
+        clip: float | None = None) -> str:
     D = comm.size // K
     batch = D * (2 if schedule == "mast" else 1) * m * 2
     model = build(kind)
@@ -78,10 +81,11 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float)
         model.eval()
     plan = partition.plan(model, input_shape=(3, SIDE, SIDE), batch_size=batch, stages=K,
                           schedule=schedule, micro_batches=m, groups=D)
-    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm,
+                         clip_grad_norm=clip)
     losses = [engine.step(*data(batch, step)) for step in range(steps)]
     state = engine.state_dict()
-    where = f"{kind} {schedule} K={K} D={D} m={m}"
+    where = f"{kind} {schedule} K={K} D={D} m={m}" + (f" clip={clip}" if clip else "")
     if kind == "batchnorm":
         copies = comm.allgather_object({k: v.detach().cpu() for s in engine.stages.values()
                                         for k, v in s.state_dict().items()})
@@ -90,7 +94,7 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float)
                 if k in c and not torch.equal(c[k], v):
                     raise RuntimeError(f"{where}: rank {rank} holds a different copy of {k}")
         return f"ok {where}: {len(copies)} ranks, every copy identical"
-    ref_state, ref_losses = reference(kind, batch, steps)
+    ref_state, ref_losses = reference(kind, batch, steps, clip)
     if list(state) != list(ref_state):
         raise RuntimeError(f"{where}: state dict keys differ from the model's")
     worst = 0.0
@@ -139,6 +143,7 @@ def main() -> None:
     p.add_argument("--backend", default="mpi")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
     args = p.parse_args()
     torch.set_num_threads(1)
     comm = comm_lib.create(args.backend, timeout=60)
@@ -150,7 +155,7 @@ def main() -> None:
                 for m in map(int, args.micro_batches.split(",")):
                     if schedule == "mp" and m > 1:
                         continue
-                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol)
+                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol, args.clip)
                     if comm.rank == 0:
                         print(line, flush=True)
 
