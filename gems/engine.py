@@ -51,7 +51,8 @@ class Engine:
         plan: a ``gems.partition.Plan`` (cut points, schedule, K, m, boundary shapes).
         optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters.
         loss_fn: ``(output, labels) -> scalar`` mean over the micro-batch (e.g. CrossEntropyLoss()).
-        comm: ``"mpi"`` (default), ``"torch"``, or a ready ``gems.comm.Comm``.
+        comm: ``"mpi"`` (default), ``"torch"``, or a ready ``gems.comm.Comm``. Given a name, the
+            engine also sets torch's CPU threads to this rank's share of the node's cores.
         device: where the stages run; default ``cuda:<local rank>`` when CUDA is present.
         timeout: seconds a rank waits on a peer before aborting the job.
         prefetch: receives posted ahead of need.
@@ -76,6 +77,7 @@ class Engine:
             "cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(comm, str):
             comm = comm_lib.create(comm, device=torch.device(kind), timeout=timeout)
+            comm_lib.configure_threads(comm)  # cores / ranks on the node, unless OMP_NUM_THREADS
         self.comm = comm
         self.device = torch.device(device if device is not None else
                                    (f"cuda:{comm.local_rank}" if kind == "cuda" else "cpu"))
