@@ -1,0 +1,361 @@
+"""Schedule simulator: replay the engine's own action lists with costs to predict a step.
+
+Every position executes ``gems.schedule.schedule(name, K, m)[position]`` in order -- the
+lists the engine runs, so there is one source of truth for every schedule:
+
+    forward / backward   take the stage's cost for one micro-batch
+    send_act / send_grad non-blocking; the message leaves when its directed link is free
+                         (messages on one link queue behind each other) and arrives
+                         latency + bytes / bandwidth after it leaves
+    recv_act / recv_grad block until the message has arrived
+    sync                 allreduce of the position's gradients (param bytes of the stages it
+                         holds) over its sync group (``Topology.sync_group``); all ranks of the
+                         group finish together at max(start) + allreduce time
+    step                 ``optimizer_time``
+
+K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble, step 2(f+b)::
+
+    position 0 |F d0.s0|F u0.s1|B u0.s1 ......|B d0.s0 ......|
+    position 1 |F u0.s0|F d0.s1|B d0.s1 ......|B u0.s0 ......|
+               0       1       2              4              6
+
+Timing is a max-plus function of the costs, so a faster network or device never slows a step.
+Groups are identical, so only groups whose point-to-point links differ (a pipeline split
+across nodes differently) are replayed; they meet in the sync. Pure Python: no torch, no MPI.
+
+    python -m gems.simulate resnet1001     # weak-scaling prediction, 4 to 1024 V100-class GPUs
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+from gems import schedule as sch
+from gems.errors import GemsError
+from gems.topology import Topology
+
+V100_FLOPS = 15.7e12   # fp32 peak of a V100 SXM2
+EFFICIENCY = 0.4       # fraction of peak that cuDNN convolutions of a deep ResNet typically sustain
+ALLREDUCE = ("ring", "tree")
+
+
+@dataclass
+class Costs:
+    """Per stage s (lists of length K), for ONE micro-batch: seconds and bytes."""
+
+    forward: list[float]                        # seconds of stage s's forward
+    backward: list[float]                       # seconds of stage s's backward
+    boundary_bytes: list[int]                   # output of stage s = the message across boundary s
+    activation_bytes: list[int] | None = None   # kept from forward start to backward end
+    static_bytes: list[int] | None = None       # parameters, gradients, optimizer state, buffers
+    param_bytes: list[int] | None = None        # gradient bytes allreduced by sync
+
+    def check(self, K: int) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and len(value) != K:
+                raise GemsError(f"costs.{f.name} has {len(value)} entries for {K} stages: give one per stage")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Point-to-point and allreduce costs. ``latency``/``bandwidth`` hold for every link, or,
+    with ``ranks_per_node`` set, between nodes; ``intra_*`` then hold inside a node (consecutive
+    ranks share a node). Ring allreduce of B bytes on n ranks: 2(n-1)/n B/bw + 2(n-1) latency;
+    tree: 2 ceil(log2 n) (latency + B/bw). Rings that leave a node share its network link
+    (bandwidth divided by their number: a conservative bound, as if they all ran at once)."""
+
+    latency: float = 5e-6          # seconds per message
+    bandwidth: float = 10e9        # bytes/s per directed link
+    allreduce: str = "ring"
+    ranks_per_node: int | None = None
+    intra_latency: float | None = None     # None: same as latency
+    intra_bandwidth: float | None = None   # None: same as bandwidth
+
+    def link(self, a: int, b: int) -> tuple[float, float]:
+        """(latency, bandwidth) between ranks a and b."""
+        if self.ranks_per_node and a // self.ranks_per_node == b // self.ranks_per_node:
+            return (self.latency if self.intra_latency is None else self.intra_latency,
+                    self.bandwidth if self.intra_bandwidth is None else self.intra_bandwidth)
+        return self.latency, self.bandwidth
+
+    def allreduce_time(self, nbytes: float, ranks: int, latency: float, bandwidth: float) -> float:
+        if ranks <= 1:
+            return 0.0
+        if self.allreduce == "ring":
+            return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
+        return 2 * math.ceil(math.log2(ranks)) * (latency + nbytes / bandwidth)
+
+
+IDEAL = Network(latency=0.0, bandwidth=math.inf)   # free communication
+# A V100 cluster in the style of Lassen/Summit: 4 GPUs per node on NVLink2, EDR InfiniBand between nodes.
+V100_CLUSTER = Network(latency=5e-6, bandwidth=12.5e9, ranks_per_node=4, intra_latency=2e-6, intra_bandwidth=150e9)
+
+
+@dataclass
+class Result:
+    """One simulated training step; per-position lists describe group 0."""
+
+    schedule: str
+    stages: int
+    micro_batches: int
+    groups: int
+    step_time: float                                  # seconds until the last rank finishes
+    busy: list[float]                                 # seconds of forward + backward + step per position
+    peak_activation_bytes: list[int]                  # exact peak over time per position
+    static_bytes: list[int]                           # per position, the stages it holds
+    timeline: list[list[tuple[float, float, str]]]    # per position (start, end, label), waits included
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - busy / (K x step time): the share of rank-time spent waiting or syncing."""
+        return 1.0 - sum(self.busy) / (self.stages * self.step_time) if self.step_time > 0 else 0.0
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        return [s + a for s, a in zip(self.static_bytes, self.peak_activation_bytes)]
+
+    def throughput(self, micro_batch_size: int = 1) -> float:
+        """Images per second over the whole job (all groups, replicas and micro-batches)."""
+        images = micro_batch_size * self.groups * sch.replicas(self.schedule) * self.micro_batches
+        return images / self.step_time if self.step_time > 0 else math.inf
+
+
+def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network(), groups: int = 1,
+             optimizer_time: float = 0.0) -> Result:
+    """Replay schedule (name, K, m) on ``groups`` data-parallel groups (see module docstring)."""
+    sch.check(name, K, m)
+    costs.check(K)
+    if not isinstance(groups, int) or groups < 1:
+        raise GemsError(f"the number of groups must be a positive integer, got {groups!r}")
+    if network.allreduce not in ALLREDUCE:
+        raise GemsError(f"unknown allreduce {network.allreduce!r}: choose one of {', '.join(ALLREDUCE)}")
+    lists = sch.schedule(name, K, m)
+    topo = Topology(world=K * groups, stages=K, schedule=name)
+    reps = _representatives(K, groups, network)
+    sync_key, sync_seconds = _sync_costs(topo, costs, network)
+    members = {key: len(reps) * len(key) for key in sync_seconds}
+
+    arrival: dict[tuple, float] = {}                       # (group, message) -> arrival time
+    link_free: dict[tuple[int, int, int], float] = {}      # (group, from, to) -> link free again
+    sync_start: dict[frozenset, dict[tuple[int, int], float]] = {key: {} for key in sync_seconds}
+    sync_end: dict[frozenset, float] = {}
+    pc = {(d, p): 0 for d in reps for p in range(K)}
+    clock = dict.fromkeys(pc, 0.0)
+    busy = dict.fromkeys(pc, 0.0)
+    timeline: dict[tuple[int, int], list[tuple[float, float, str]]] = {key: [] for key in pc}
+    progress = True
+    while progress:   # lists are deadlock-free (schedule.validate), so every pass advances someone
+        progress = False
+        for d, p in pc:
+            actions, i, t, line = lists[p], pc[(d, p)], clock[(d, p)], timeline[(d, p)]
+            while i < len(actions):
+                a = actions[i]
+                if a.op in sch.COMPUTE:
+                    cost = (costs.forward if a.op == sch.FORWARD else costs.backward)[a.stage]
+                    line.append((t, t + cost, f"{a.op} {sch.REPLICA_NAMES[a.replica]}{a.micro}.s{a.stage}"))
+                    t += cost
+                    busy[(d, p)] += cost
+                elif a.op in sch.SENDS:
+                    nbytes = costs.boundary_bytes[a.message[3]]
+                    latency, bandwidth = network.link(d * K + p, d * K + a.peer)
+                    leave = max(t, link_free.get((d, p, a.peer), 0.0))
+                    link_free[(d, p, a.peer)] = leave + nbytes / bandwidth
+                    arrival[(d, a.message)] = leave + nbytes / bandwidth + latency
+                elif a.op in sch.RECVS:
+                    if (d, a.message) not in arrival:
+                        break
+                    ready = arrival[(d, a.message)]
+                    if ready > t:
+                        line.append((t, ready, f"wait {a}"))
+                        t = ready
+                elif a.op == sch.SYNC:
+                    key = sync_key[p]
+                    started = sync_start[key]
+                    started.setdefault((d, p), t)
+                    if key not in sync_end and len(started) == members[key]:
+                        sync_end[key] = max(started.values()) + sync_seconds[key]
+                    if key not in sync_end:
+                        break
+                    line.append((t, sync_end[key], "sync"))
+                    t = sync_end[key]
+                else:   # step
+                    line.append((t, t + optimizer_time, "step"))
+                    t += optimizer_time
+                    busy[(d, p)] += optimizer_time
+                i += 1
+            progress |= i != pc[(d, p)]
+            pc[(d, p)], clock[(d, p)] = i, t
+    stuck = [(d, p) for (d, p), i in pc.items() if i < len(lists[p])]
+    if stuck:   # only reachable with hand-edited lists
+        raise RuntimeError(f"simulation of {name} K={K} m={m} stopped at {stuck[:3]}")
+
+    static = costs.static_bytes or [0] * K
+    return Result(
+        schedule=name, stages=K, micro_batches=m, groups=groups,
+        step_time=max(clock.values()),
+        busy=[busy[(0, p)] for p in range(K)],
+        peak_activation_bytes=[_peak_activations(actions, costs.activation_bytes) for actions in lists],
+        static_bytes=[sum(static[s] for s in sch.holds(name, K, p)) for p in range(K)],
+        timeline=[timeline[(0, p)] for p in range(K)])
+
+
+def _representatives(K: int, groups: int, network: Network) -> list[int]:
+    """One group per distinct layout of its K ranks over nodes (all groups alike without nodes)."""
+    rpn = network.ranks_per_node
+    if not rpn:
+        return [0]
+    layouts: dict[tuple[int, ...], int] = {}
+    for d in range(groups):
+        layouts.setdefault(tuple((d * K + r) // rpn - d * K // rpn for r in range(K)), d)
+    return sorted(layouts.values())
+
+
+def _sync_costs(topo: Topology, costs: Costs, network: Network) -> tuple[dict[int, frozenset], dict[frozenset, float]]:
+    """Per position, the positions of group 0 it syncs with (its key); per key, allreduce seconds."""
+    K, rpn = topo.stages, network.ranks_per_node
+    params = costs.param_bytes or [0] * K
+    ranks = {frozenset(r for r in topo.sync_group(p) if r < K): topo.sync_group(p) for p in range(K)}
+    key_of = {p: key for key in ranks for p in key}
+    crossing = {key for key, g in ranks.items() if rpn and g[0] // rpn != g[-1] // rpn}
+    rings: dict[int, set[frozenset]] = {}   # node -> crossing rings with a member on it
+    for rank in range(topo.world) if crossing else ():
+        if key_of[rank % K] in crossing:
+            rings.setdefault(rank // rpn, set()).add(key_of[rank % K])
+    share = max((len(keys) for keys in rings.values()), default=1)
+    seconds = {}
+    for key, g in ranks.items():
+        latency, bandwidth = network.link(g[0], g[-1])
+        nbytes = sum(params[s] for s in topo.holds(g[0]))
+        seconds[key] = network.allreduce_time(nbytes, len(g), latency, bandwidth / (share if key in crossing else 1))
+    return key_of, seconds
+
+
+def _peak_activations(actions: list[sch.Action], activation_bytes: Sequence[int] | None) -> int:
+    """Largest bytes alive at once: a micro-batch's activations live from forward start to backward
+    end; one position runs one action at a time, so list order is time order."""
+    if activation_bytes is None:
+        return 0
+    live = peak = 0
+    for a in actions:
+        if a.op == sch.FORWARD:
+            live += activation_bytes[a.stage]
+            peak = max(peak, live)
+        elif a.op == sch.BACKWARD:
+            live -= activation_bytes[a.stage]
+    return peak
+
+
+def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = EFFICIENCY) -> Costs:
+    """Costs of a ``gems.partition`` Plan's stages, timing FLOPs at ``device_flops x efficiency``."""
+    if device_flops <= 0 or not 0 < efficiency <= 1:
+        raise GemsError("the device rate must be positive and the efficiency in (0, 1], e.g. 15.7e12 and 0.4")
+    rate = device_flops * efficiency
+    stages = plan.stage_estimates
+    return Costs(forward=[s.forward_flops / rate for s in stages],
+                 backward=[s.backward_flops / rate for s in stages],
+                 boundary_bytes=[s.output_bytes for s in stages],
+                 activation_bytes=[s.activation_bytes for s in stages],
+                 static_bytes=[s.static_bytes for s in stages],
+                 param_bytes=[s.param_bytes for s in stages])
+
+
+def simulate_plan(plan, network: Network = Network(), device_flops: float = V100_FLOPS,
+                  efficiency: float = EFFICIENCY, optimizer_time: float = 0.0) -> Result:
+    """``simulate`` for the configuration a Plan was made for (e.g. behind ``gems-plan --simulate``)."""
+    return simulate(plan.schedule, plan.stages, plan.micro_batches, costs_from_plan(plan, device_flops, efficiency),
+                    network, plan.groups, optimizer_time)
+
+
+class ScalingPoint(NamedTuple):
+    groups: int          # D
+    step_time: float     # seconds
+    efficiency: float    # t(1 group) / t(D groups)
+
+
+def scaling(name: str, K: int, m: int, costs: Costs, network: Network = Network(),
+            groups_list: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            optimizer_time: float = 0.0) -> list[ScalingPoint]:
+    """Weak scaling: the same work per group on D groups; efficiency 1.0 means no cost of scale."""
+    base = simulate(name, K, m, costs, network, 1, optimizer_time).step_time
+    points = []
+    for D in groups_list:
+        t = simulate(name, K, m, costs, network, D, optimizer_time).step_time
+        points.append(ScalingPoint(D, t, base / t if t > 0 else 1.0))
+    return points
+
+
+class Candidate(NamedTuple):
+    schedule: str
+    stages: int
+    micro_batches: int
+    groups: int
+    step_time: float
+    images_per_second: float
+    peak_bytes: int      # the largest position's static + peak activations
+
+
+def sweep(costs_for: Callable[[str, int, int, int], tuple[Costs, int] | None], world: int,
+          network: Network = Network(), schedules: Sequence[str] = sch.SCHEDULES,
+          stages: Sequence[int] = (1, 2, 4, 8), micro_batches: Sequence[int] = (1, 2, 4, 8),
+          memory_budget: int | None = None, optimizer_time: float = 0.0) -> list[Candidate]:
+    """Every (schedule, K, m, D = world // K) that fits ``memory_budget``, fastest first.
+
+    ``costs_for(schedule, K, m, D)`` gives that configuration's Costs and micro-batch size
+    (e.g. from a plan made for it), or None to skip it (say, a batch that does not split).
+    """
+    found = []
+    for name in schedules:
+        for K in stages:
+            if world % K:
+                continue
+            for m in ([1] if name == "mp" else micro_batches):
+                made = costs_for(name, K, m, world // K)
+                if made is None:
+                    continue
+                result = simulate(name, K, m, made[0], network, world // K, optimizer_time)
+                peak = max(result.peak_bytes)
+                if memory_budget is None or peak <= memory_budget:
+                    found.append(Candidate(name, K, m, world // K, result.step_time,
+                                           result.throughput(made[1]), peak))
+    return sorted(found, key=lambda c: (-c.images_per_second, c.peak_bytes))
+
+
+def _resnet1001(argv: Sequence[str]) -> None:
+    """Print a weak-scaling prediction of pre-activation ResNet-1001 under mast on a V100 cluster."""
+    import argparse
+
+    from gems import models
+    from gems.partition import plan
+    from gems.units import format_size
+
+    parser = argparse.ArgumentParser(prog="python -m gems.simulate resnet1001")
+    parser.add_argument("--image-size", type=int, default=384, help="square images (384: fits a 16 GB V100 at K=4)")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of fp32 peak sustained")
+    args = parser.parse_args(argv)
+    S, K = args.image_size, args.stages
+    p = plan(models.build("preact-resnet1001", num_classes=1000), input_shape=(3, S, S), batch_size=2, stages=K,
+             schedule="mast", model_name="preact-resnet1001")
+    costs, net = costs_from_plan(p, V100_FLOPS, args.efficiency), V100_CLUSTER
+    one = simulate("mast", K, 1, costs, net)
+    print(f"preact-resnet1001, {S}x{S}, schedule mast, K={K}, 1 image per replica (2 per group per step), fp32\n"
+          f"device {V100_FLOPS / 1e12:.1f} TFLOP/s x {args.efficiency} efficiency; {net.ranks_per_node} GPUs/node, "
+          f"NVLink {net.intra_bandwidth / 1e9:.0f} GB/s, InfiniBand EDR {net.bandwidth / 1e9:.1f} GB/s, "
+          f"{net.allreduce} allreduce after backward (not overlapped)\n"
+          f"per group: bubble {one.bubble_fraction:.1%}, est. peak memory {format_size(max(one.peak_bytes))}/GPU\n")
+    print(f"{'GPUs':>6}  {'groups':>6}  {'step (ms)':>9}  {'images/s':>9}  {'efficiency':>10}")
+    for point in scaling("mast", K, 1, costs, net, [2 ** i for i in range(11) if K * 2 ** i <= 1024]):
+        print(f"{K * point.groups:>6}  {point.groups:>6}  {point.step_time * 1e3:>9.1f}  "
+              f"{2 * point.groups / point.step_time:>9.1f}  {point.efficiency:>10.2%}")
+    print("\nGEMS (Jain et al., SC 2020) report 97.32% weak-scaling efficiency for ResNet-1k on 1,024 V100 GPUs.")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["resnet1001"]:
+        sys.exit("usage: python -m gems.simulate resnet1001 [--image-size S] [--stages K] [--efficiency E]")
+    _resnet1001(sys.argv[2:])

@@ -1,0 +1,168 @@
+"""The simulator against hand-computed timelines and closed forms, on the schedule's own lists."""
+import math
+import random
+
+import pytest
+
+from gems import schedule as sch
+from gems.errors import GemsError
+from gems.partition.plan import StageEstimate
+from gems.simulate import (IDEAL, Costs, Network, costs_from_plan, scaling, simulate, sweep)
+
+
+def equal(K, f=1.0, b=2.0, boundary=0, activation=None, params=None):
+    return Costs(forward=[f] * K, backward=[b] * K, boundary_bytes=[boundary] * K,
+                 activation_bytes=activation, param_bytes=params)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_mp_bubble_is_one_minus_one_over_k(K):
+    r = simulate("mp", K, 1, equal(K), IDEAL)
+    assert r.step_time == pytest.approx(3.0 * K)
+    assert r.bubble_fraction == pytest.approx(1 - 1 / K)
+    assert r.busy == pytest.approx([3.0] * K)
+
+
+@pytest.mark.parametrize("K,m", [(2, 1), (2, 4), (4, 1), (4, 3), (4, 8), (6, 5)])
+def test_gpipe_matches_the_textbook_bubble(K, m):
+    r = simulate("gpipe", K, m, equal(K), IDEAL)
+    assert r.step_time == pytest.approx((m + K - 1) * 3.0)
+    assert r.bubble_fraction == pytest.approx((K - 1) / (m + K - 1))
+
+
+def test_mast_k2_fills_the_bubble():
+    # Hand timeline (module docstring): both positions F, F, B, B back to back, so the step
+    # takes 2 (f + b) -- two micro-batches in the time mp needs for one on K = 2 -- with no bubble.
+    f, b = 0.5, 1.0
+    r = simulate("mast", 2, 1, equal(2, f, b), IDEAL)
+    assert r.step_time == pytest.approx(2 * (f + b))
+    assert abs(r.bubble_fraction) < 1e-12
+    assert r.timeline[0] == [(0.0, 0.5, "forward d0.s0"), (0.5, 1.0, "forward u0.s1"),
+                             (1.0, 2.0, "backward u0.s1"), (2.0, 3.0, "backward d0.s0"),
+                             (3.0, 3.0, "sync"), (3.0, 3.0, "step")]
+    mp = simulate("mp", 2, 1, equal(2, f, b), IDEAL)
+    assert r.throughput() == pytest.approx(2 * mp.throughput())
+
+
+@pytest.mark.parametrize("name", sch.SCHEDULES)
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_peak_activations_match_in_flight(name, K, m):
+    if name == "mp" and m > 1:
+        return
+    activation = [1000 * (s + 1) for s in range(K)]
+    r = simulate(name, K, m, equal(K, activation=activation), IDEAL)
+    for p, counts in enumerate(sch.in_flight(name, K, m)):
+        bound = sum(c * activation[s] for s, c in counts.items())
+        if len(counts) == 1:
+            assert r.peak_activation_bytes[p] == bound
+        else:   # in_flight sums per-stage maxima: an upper bound
+            assert max(c * activation[s] for s, c in counts.items()) <= r.peak_activation_bytes[p] <= bound
+
+
+def test_messages_on_one_link_queue():
+    # gpipe K=2 m=2, free compute: two 1 GB activations share link 0->1 at 1 GB/s plus 0.1 s latency.
+    costs = Costs(forward=[0.0, 0.0], backward=[0.0, 0.0], boundary_bytes=[10**9, 0])
+    r = simulate("gpipe", 2, 2, costs, Network(latency=0.1, bandwidth=1e9))
+    starts = [start for start, _, label in r.timeline[1] if label.startswith("forward")]
+    assert starts == pytest.approx([1.1, 2.1])
+
+
+def test_sync_is_an_allreduce_over_the_sync_group():
+    zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)
+    ring, tree = Network(latency=0.0, bandwidth=1e9), Network(latency=0.0, bandwidth=1e9, allreduce="tree")
+    # mast K=4 D=2: mirror groups of 4 ranks, each holding 2 stages = 2 GB of gradients
+    assert simulate("mast", 4, 1, zero, ring, groups=2).step_time == pytest.approx(2 * 3 / 4 * 2.0)
+    assert simulate("mast", 4, 1, zero, tree, groups=2).step_time == pytest.approx(2 * 2 * 2.0)
+    assert simulate("1f1b", 4, 1, zero, ring, groups=2).step_time == pytest.approx(1.0)
+    assert simulate("1f1b", 4, 1, zero, ring, groups=1).step_time == 0.0
+    assert simulate("mp", 1, 1, Costs([1.0], [2.0], [0]), ring, optimizer_time=0.5).step_time == 3.5
+
+
+def test_rings_leaving_a_node_share_its_network_link():
+    # mast K=4 on 4-GPU nodes, D=2: both mirror rings leave every node, so each gets half the link
+    zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)
+    net = Network(latency=0.0, bandwidth=1e9, ranks_per_node=4, intra_bandwidth=1e12)
+    assert simulate("mast", 4, 1, zero, net, groups=1).step_time == pytest.approx(2 * 1 / 2 * 2.0 / 1e3)
+    assert simulate("mast", 4, 1, zero, net, groups=2).step_time == pytest.approx(2 * 3 / 4 * 2.0 / 0.5)
+
+
+def random_costs(K, rng):
+    return Costs(forward=[rng.uniform(0.5, 2) for _ in range(K)], backward=[rng.uniform(1, 4) for _ in range(K)],
+                 boundary_bytes=[rng.randrange(10**6, 10**9) for _ in range(K)],
+                 param_bytes=[rng.randrange(10**6, 10**8) for _ in range(K)])
+
+
+def test_a_faster_network_never_slows_a_step():
+    rng = random.Random(0)
+    networks = [Network(latency=lat, bandwidth=bw, allreduce=algo, ranks_per_node=4, intra_bandwidth=bw * 10)
+                for algo in ("ring", "tree") for lat, bw in [(1e-3, 1e8), (1e-4, 1e9), (1e-5, 1e10), (0.0, math.inf)]]
+    for name in sch.SCHEDULES:
+        for K, m, D in [(2, 1, 1), (3, 2, 2), (4, 3, 3), (5, 2, 2)]:
+            m = 1 if name == "mp" else m
+            costs = random_costs(K, rng)
+            for algo in range(2):
+                times = [simulate(name, K, m, costs, n, D).step_time for n in networks[4 * algo: 4 * algo + 4]]
+                assert times == sorted(times, reverse=True), (name, K, m, D)
+
+
+@pytest.mark.parametrize("name", sch.SCHEDULES)
+@pytest.mark.parametrize("network", [Network(), Network(allreduce="tree", ranks_per_node=4, intra_bandwidth=1e11)])
+def test_weak_scaling_efficiency_falls_with_groups(name, network):
+    costs = equal(4, 0.01, 0.02, boundary=10**6, params=[10**7] * 4)
+    points = scaling(name, 4, 1, costs, network, [1, 2, 4, 8, 16, 32])
+    assert points[0].groups == 1 and points[0].efficiency == 1.0
+    efficiencies = [p.efficiency for p in points]
+    assert all(a > b for a, b in zip(efficiencies, efficiencies[1:]))
+    assert all(0 < e <= 1 for e in efficiencies)
+
+
+def test_groups_split_across_nodes_pay_the_slow_link():
+    # K=3 on 4-GPU nodes: group 1 = ranks 3,4,5 straddles two nodes, so its 3->4 message is slow.
+    costs = Costs(forward=[1.0] * 3, backward=[1.0] * 3, boundary_bytes=[10**9] * 3)
+    net = Network(latency=0.0, bandwidth=1e9, ranks_per_node=4, intra_bandwidth=math.inf)
+    assert simulate("mp", 3, 1, costs, net, groups=1).step_time == pytest.approx(6.0)
+    assert simulate("mp", 3, 1, costs, net, groups=2).step_time == pytest.approx(8.0)
+
+
+def test_deterministic():
+    costs = random_costs(4, random.Random(1))
+    assert simulate("mast", 4, 3, costs, groups=4) == simulate("mast", 4, 3, costs, groups=4)
+
+
+def test_costs_from_plan_times_flops_at_the_device_rate():
+    def stage(s, flops):
+        return StageEstimate(stage=s, first_unit=s, end_unit=s + 1, unit_names=[f"u{s}"], param_bytes=40,
+                             grad_bytes=40, optimizer_bytes=0, buffer_bytes=8, activation_bytes=1000,
+                             transient_bytes=0, input_bytes=64, output_bytes=64, forward_flops=flops,
+                             backward_flops=2 * flops)
+
+    class FakePlan:
+        stage_estimates = [stage(0, 10**12), stage(1, 2 * 10**12)]
+    costs = costs_from_plan(FakePlan(), device_flops=1e13, efficiency=0.5)
+    assert costs.forward == pytest.approx([0.2, 0.4]) and costs.backward == pytest.approx([0.4, 0.8])
+    assert costs.boundary_bytes == [64, 64] and costs.static_bytes == [88, 88] and costs.param_bytes == [40, 40]
+    with pytest.raises(GemsError):
+        costs_from_plan(FakePlan(), efficiency=0.0)
+
+
+def test_sweep_ranks_fitting_configurations():
+    def costs_for(name, K, m, D):
+        return equal(K, 1.0 / K, 2.0 / K, activation=[100] * K), 1
+    found = sweep(costs_for, world=4, network=IDEAL, stages=(1, 2, 4), micro_batches=(1, 4))
+    rates = [c.images_per_second for c in found]
+    assert rates == sorted(rates, reverse=True)
+    assert all(4 % c.stages == 0 and c.groups == 4 // c.stages for c in found)
+    tight = sweep(costs_for, world=4, network=IDEAL, stages=(1, 2, 4), micro_batches=(1, 4), memory_budget=100)
+    assert tight and all(c.peak_bytes <= 100 for c in tight) and len(tight) < len(found)
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(GemsError, match="one per stage"):
+        simulate("mp", 2, 1, equal(3))
+    with pytest.raises(GemsError, match="allreduce"):
+        simulate("mp", 2, 1, equal(2), Network(allreduce="butterfly"))
+    with pytest.raises(GemsError, match="groups"):
+        simulate("mp", 2, 1, equal(2), groups=0)
+    with pytest.raises(GemsError, match="unknown schedule"):
+        simulate("pipedream", 2, 1, equal(2))
