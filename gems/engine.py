@@ -18,7 +18,9 @@ keys) and executes ``gems.schedule.schedule(plan.schedule, K, m)[position]`` eac
 - step: the user's optimizer, then the gradient part of the bucket is zeroed.
 
 Receives are posted ``prefetch`` messages ahead, so a peer's send usually finds its
-receive already waiting; sends are non-blocking and completed before the sync.
+receive already waiting; a receive action waits for it and leaves the tensors for the
+compute action that follows; sends are non-blocking and completed before the sync.
+Every action is timed (``timeline()``), for traces and gems-bench.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from gems import comm as comm_lib
 from gems import schedule as sch
 from gems.errors import GemsError
 from gems.models import as_tuple
+from gems.timing import ActionTimer
 from gems.topology import Topology
 
 _KINDS = {"act": 0, "grad": 1}
@@ -109,6 +112,14 @@ class Engine:
         self._stash: dict[tuple[int, int, int], tuple] = {}      # (replica, micro, stage) -> (inputs, outputs)
         self._input_grads: dict[tuple[int, int, int], tuple] = {}
         self._sends: list = []
+        self._inbox: dict[tuple, tuple[torch.Tensor, ...]] = {}  # received, not yet consumed
+        self._recv_queue = [a for a in self.actions if a.op in sch.RECVS]
+        self._run = {sch.FORWARD: self._forward, sch.BACKWARD: self._backward,
+                     sch.RECV_ACT: self._receive, sch.RECV_GRAD: self._receive,
+                     sch.SEND_ACT: lambda a: self._send(a, self._stash[(a.replica, a.micro, a.stage)][1]),
+                     sch.SEND_GRAD: lambda a: self._send(a, self._input_grads.pop((a.replica, a.micro, a.stage))),
+                     sch.SYNC: lambda a: self._sync(), sch.STEP: lambda a: self._apply()}
+        self.timer = ActionTimer(self.device)
 
     # ---------------------------------------------------------------- setup
     def _sync_group(self):
@@ -178,23 +189,20 @@ class Engine:
         self._images = self._shard(images, "images", self.needs_images)
         self._labels = self._shard(labels, "labels", self.needs_labels)
         self._loss.zero_()
-        recvs = [a for a in self.actions if a.op in sch.RECVS]
-        self._recv_queue, self._posted, self._consumed = recvs, {}, 0
+        self._posted, self._consumed = {}, 0
         self._post()
+        timer, now = self.timer, self.timer.now
+        timer.begin_step()
         for a in self.actions:
-            if a.op == sch.FORWARD:
-                self._forward(a)
-            elif a.op == sch.BACKWARD:
-                self._backward(a)
-            elif a.op == sch.SEND_ACT:
-                self._send(a, self._stash[(a.replica, a.micro, a.stage)][1])
-            elif a.op == sch.SEND_GRAD:
-                self._send(a, self._input_grads.pop((a.replica, a.micro, a.stage)))
-            elif a.op == sch.SYNC:
-                self._sync()
-            elif a.op == sch.STEP:
-                self._apply()
+            start = now()
+            self._run[a.op](a)
+            timer.span(str(a), start, now())
         return float(self._scalars[0])
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's actions as (label, start, end) seconds from the step's start
+        (``timer.started`` on the wall clock); labels as ``str(Action)``."""
+        return self.timer.timeline()
 
     def _shard(self, x: torch.Tensor | None, what: str, needed: bool) -> torch.Tensor | None:
         if not needed:
@@ -226,15 +234,13 @@ class Engine:
             req = self.comm.irecv(bufs, self.topology.peer(self.comm.rank, a.peer), self._tag(kind, replica, micro))
             self._posted[a.message] = (req, bufs, a)
 
-    def _receive(self, op: str, replica: int, micro: int, stage: int) -> tuple[torch.Tensor, ...]:
-        a = self._recv_queue[self._consumed]
-        if (a.op, a.replica, a.micro, a.stage) != (op, replica, micro, stage):
-            raise RuntimeError(f"schedule order broken: expected {a}, running {op} {replica} {micro} {stage}")
+    def _receive(self, a: sch.Action) -> None:
+        """Wait for a posted receive; its tensors wait in the inbox for the compute action."""
         req, bufs, _ = self._posted.pop(a.message)
         self.comm.wait(req, f"{a} from rank {self.topology.peer(self.comm.rank, a.peer)}")
         self._consumed += 1
         self._post()
-        return bufs
+        self._inbox[(a.op, a.replica, a.micro, a.stage)] = bufs
 
     def _send(self, a: sch.Action, tensors: tuple[torch.Tensor, ...]) -> None:
         kind, _, _, boundary = a.message
@@ -249,7 +255,7 @@ class Engine:
         if a.stage == 0:
             inputs = (self._images[rows].to(self.device, non_blocking=True),)
         else:
-            inputs = self._receive(sch.RECV_ACT, a.replica, a.micro, a.stage)
+            inputs = self._inbox.pop((sch.RECV_ACT, a.replica, a.micro, a.stage))
             for t in inputs:
                 if t.is_floating_point():
                     t.requires_grad_(True)
@@ -267,7 +273,7 @@ class Engine:
         if a.stage == self.K - 1:
             torch.autograd.backward(out)
         else:
-            grads = self._receive(sch.RECV_GRAD, a.replica, a.micro, a.stage)
+            grads = self._inbox.pop((sch.RECV_GRAD, a.replica, a.micro, a.stage))
             pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
