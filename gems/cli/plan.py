@@ -1,0 +1,111 @@
+"""gems-plan: how a model splits into pipeline stages, and what each position will need.
+
+    gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --schedule mast
+    gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 40GiB
+    gems-plan --model my_net.py:build --image-size 1024x768 --stages 3 --balance 4,6,5 --json plan.json
+
+The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
+on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from gems.cli import checked, parser, run
+from gems.errors import GemsError
+from gems.units import parse_size
+
+PROG = "gems-plan"
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """"2048" -> (2048, 2048); "1024x768" -> (1024, 768) (height x width)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", text)
+    if not match or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
+        raise GemsError(f"image size {text!r} must be N or HxW with positive integers, e.g. 2048 or 1024x768")
+    height = int(match.group(1))
+    return height, int(match.group(2) or height)
+
+
+def unit_counts(text: str) -> list[int]:
+    """"3,5,4" -> [3, 5, 4]."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise GemsError(f"balance {text!r} must be positive unit counts separated by commas, e.g. 3,5,4")
+    return counts
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise GemsError(f"{text!r} is not a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gems.partition import BALANCE_BY, OPTIMIZER_STATE
+    from gems.schedule import SCHEDULES
+
+    p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
+    p.add_argument("--model", required=True,
+                   help="a gems.models name (e.g. resnet101, preact-resnet1001, amoebanet-d) or file.py:factory")
+    p.add_argument("--image-size", required=True, type=checked(image_size), metavar="N|HxW",
+                   help="input image size: N means 3xNxN")
+    p.add_argument("--channels", type=checked(positive), default=3, help="image channels")
+    p.add_argument("--batch-size", required=True, type=checked(positive),
+                   help="images per optimizer step over the whole job")
+    p.add_argument("--stages", required=True, type=checked(positive), help="K, stages per pipeline")
+    p.add_argument("--schedule", default="mast", choices=SCHEDULES)
+    p.add_argument("--micro-batches", type=checked(positive), default=1, help="m, per replica per step")
+    p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
+    p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
+    p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
+                   help="units per stage, instead of solving")
+    p.add_argument("--memory-budget", type=checked(parse_size), metavar="SIZE",
+                   help="memory per device, e.g. 40GiB (binary) or 40GB (decimal)")
+    p.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_STATE))
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--num-classes", type=checked(positive), default=1000)
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(PROG, lambda: _plan(args))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import torch
+
+    from gems.models import build
+    from gems.partition import plan
+
+    try:
+        with torch.device("meta"):   # only shapes are needed: build without allocating weights
+            model = build(args.model, num_classes=args.num_classes)
+    except (RuntimeError, NotImplementedError):   # a factory that must touch real weights
+        model = build(args.model, num_classes=args.num_classes)
+    height, width = args.image_size
+    result = plan(model, (args.channels, height, width), batch_size=args.batch_size, stages=args.stages,
+                  schedule=args.schedule, micro_batches=args.micro_batches, balance_by=args.balance_by,
+                  memory_budget=args.memory_budget, balance=args.balance, optimizer=args.optimizer,
+                  dtype=args.dtype, groups=args.groups, model_name=args.model)
+    if args.json:
+        result.to_json(args.json)
+    print(result.table())
+    if args.json:
+        print(f"plan written to {args.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

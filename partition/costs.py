@@ -1,0 +1,129 @@
+"""What a stage costs on a position: memory, time or FLOPs, as matrices over segments.
+
+For K stages under a schedule with m micro-batches per replica, stage s = units [lo, hi)
+held by position p costs
+
+    memory  static(lo, hi) + in_flight[p][s] * activations(lo, hi)   (+ transient, by max)
+    time    handled(p, s) * (forward + backward time of [lo, hi) per micro-batch)
+    flops   handled(p, s) * forward FLOPs of [lo, hi) per micro-batch
+
+static = parameters + gradients + optimizer state + buffers; in_flight comes from
+``gems.schedule.in_flight`` (micro-batches whose activations are alive at once at the
+peak); handled(p, s) = m times the number of replicas that run stage s on position p. The
+transient part (working memory of one forward or backward) counts once per position: a
+position runs one stage at a time. Without measured times, "time" counts forward plus
+backward FLOPs, a proxy that ranks stages the same way on one kind of device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .profile import ModelProfile
+
+BALANCE_BY = ("memory", "time", "flops")
+
+
+def _segments(prefix: np.ndarray) -> np.ndarray:
+    """M[lo, hi] = prefix[hi] - prefix[lo]."""
+    return prefix[None, :] - prefix[:, None]
+
+
+def memory_floor(profile: ModelProfile) -> float:
+    """A peak no partition can beat, whatever K or schedule: the position holding unit u holds
+    at least the cheapest stage containing u (its static memory, one micro-batch of its
+    activations, its working memory). The max over u of that."""
+    n = len(profile)
+    cost = _segments(profile.unit_sums("static_bytes")) + profile.activation_matrix() + profile.working_matrix()
+    cost[np.tril_indices(n + 1)] = np.inf                             # only lo < hi are stages
+    beyond = np.minimum.accumulate(cost[:, ::-1], axis=1)[:, ::-1]    # [lo, u+1] -> min over hi > u
+    cheapest = np.minimum.accumulate(beyond[:n, 1:], axis=0)           # [lo, u] -> min over lo <= u
+    return float(np.max(np.diagonal(cheapest)))
+
+
+def memory_average(profile: ModelProfile, K: int) -> float:
+    """A peak no partition into K stages can beat, whatever the schedule: every stage is held
+    once or more with a micro-batch or more in flight, so the loads sum to at least the
+    static memory plus the activations of the whole model."""
+    n = len(profile)
+    return float(profile.unit_sums("static_bytes")[-1] + profile.activation_matrix()[0, n]) / K
+
+
+class CostModel:
+    """Cost matrices of one profile under (schedule, K, m); see module docstring."""
+
+    def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
+                 unit_times: Sequence[float] | None = None) -> None:
+        from gems import schedule as schedules   # the lead's pure module; imported when used
+
+        self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
+        self.mirror = schedules.replicas(schedule) == 2
+        self.in_flight = schedules.in_flight(schedule, K, micro_batches)
+        self.static = _segments(profile.unit_sums("static_bytes"))
+        self.activations = profile.activation_matrix()
+        self.transient = profile.working_matrix()
+        self.forward_flops = _segments(profile.unit_sums("forward_flops"))
+        self._remainder: np.ndarray | None = None
+        self._memory: dict[tuple[int, int], np.ndarray] = {}
+        if unit_times is None:
+            self.time = self.forward_flops + _segments(profile.unit_sums("backward_flops"))
+            self.time_unit = "FLOP"
+        else:
+            self.time = _segments(np.concatenate([[0.0], np.cumsum(np.asarray(unit_times, dtype=float))]))
+            self.time_unit = "s"
+
+    def holds(self, position: int) -> list[int]:
+        """Stages a position holds (mirrored: p and K-1-p)."""
+        return sorted({position, self.K - 1 - position}) if self.mirror else [position]
+
+    def handled(self, position: int, stage: int) -> int:
+        """Micro-batches of ``stage`` that ``position`` runs per step."""
+        replicas = (stage == position) + (self.mirror and self.K - 1 - stage == position)
+        return self.m * int(replicas)
+
+    def memory(self, position: int, stage: int) -> np.ndarray:
+        return self._scaled(self.activations, self.in_flight[position].get(stage, 0), self.static)
+
+    def peak(self, position: int, stage: int) -> np.ndarray:
+        return self.transient
+
+    def time_cost(self, position: int, stage: int) -> np.ndarray:
+        return self._scaled(self.time, self.handled(position, stage))
+
+    def flops_cost(self, position: int, stage: int) -> np.ndarray:
+        return self._scaled(self.forward_flops, self.handled(position, stage))
+
+    def _scaled(self, matrix: np.ndarray, factor: int, plus: np.ndarray | None = None) -> np.ndarray:
+        """factor * matrix (+ plus), one object per factor: the solver converts each once."""
+        key = (id(matrix), factor)
+        if key not in self._memory:
+            self._memory[key] = factor * matrix if plus is None else plus + factor * matrix
+        return self._memory[key]
+
+    def memory_lower_bound(self) -> float:
+        """A peak no partition into K stages can beat (see ``memory_remainder``)."""
+        return float(self.memory_remainder()[0, len(self.profile)]) / self.K
+
+    def memory_remainder(self) -> np.ndarray:
+        """T[lo, hi]: however units [lo, hi) are cut into stages, the positions holding them
+        carry at least T in total, so the largest of k such positions at least T / k.
+
+        A stage's static memory counts once per position holding it, and every storage kept
+        by [lo, hi) is kept by at least one of its stages (the parts' activations sum to at
+        least the whole's), once per micro-batch in flight there.
+        """
+        if self._remainder is None:
+            holders = [[p for p in range(self.K) if s in self.holds(p)] for s in range(self.K)]
+            copies = min(len(h) for h in holders)
+            in_flight = min(sum(self.in_flight[p].get(s, 0) for p in h) for s, h in enumerate(holders))
+            self._remainder = copies * self.static + in_flight * self.activations
+        return self._remainder
+
+    def objective(self, balance_by: str):
+        """Solver arguments for what ``balance_by`` minimises: (cost, transient, remainder)."""
+        if balance_by == "memory":
+            return self.memory, self.peak, self.memory_remainder()
+        if balance_by == "time":
+            return self.time_cost, None, None
+        return self.flops_cost, None, None

@@ -1,0 +1,197 @@
+"""The partition plan: where the cuts are, what each stage and position is estimated to
+need, and the inputs it was made for. Serialisable to JSON so ``gems-plan --json`` output
+can be reviewed, edited (``cuts``) and handed to training.
+
+The engine reads: ``stages``, ``schedule``, ``micro_batches``, ``cuts``, ``input_shape``,
+``stage_output_shapes`` and ``stage_output_dtypes``. Everything else is an estimate for
+people. Bytes and FLOPs of a stage are per micro-batch; those of a position are per step
+(a position runs ``micro_batches`` micro-batches of each replica it serves).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+from gems.errors import GemsError
+from gems.units import format_size
+
+
+@dataclass
+class StageEstimate:
+    """One stage = units [first_unit, end_unit). Activation and boundary bytes per micro-batch."""
+
+    stage: int
+    first_unit: int
+    end_unit: int
+    unit_names: list[str]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    activation_bytes: int     # kept for backward per micro-batch in flight (input + saved + output)
+    transient_bytes: int      # largest working memory of one unit's forward or backward
+    input_bytes: int          # received per micro-batch (0 for stage 0: the data)
+    output_bytes: int         # sent per micro-batch
+    forward_flops: int
+    backward_flops: int
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+
+@dataclass
+class PositionEstimate:
+    """One position (rank in a group) for one training step."""
+
+    position: int
+    stages: list[int]                 # stages whose parameters it holds
+    units: int
+    param_bytes: int
+    static_bytes: int                 # parameters + gradients + optimizer state + buffers
+    in_flight: dict[int, int]         # stage -> micro-batches whose activations are alive at the peak
+    activation_bytes: int             # sum over stages of in_flight * activation bytes
+    transient_bytes: int
+    peak_bytes: int                   # static + activations + transient
+    flops: int                        # forward FLOPs per step (all micro-batches it runs)
+    load: float                       # the balanced objective's value for this position
+
+
+@dataclass
+class Plan:
+    """A partition of a model into stages, with estimates (see module docstring)."""
+
+    # What it was made for.
+    model_name: str
+    input_shape: tuple[int, ...]          # per sample, e.g. (3, 2048, 2048)
+    batch_size: int                       # images per optimizer step over the whole job
+    groups: int                           # data-parallel groups
+    stages: int                           # K
+    schedule: str
+    micro_batches: int                    # per replica per step
+    balance_by: str
+    optimizer: str
+    dtype: str
+    memory_budget: int | None
+    micro_batch_size: int                 # batch_size / (groups * replicas * micro_batches)
+    # The partition.
+    cuts: list[int]                       # K+1 boundaries: stage s = units [cuts[s], cuts[s+1])
+    unit_names: list[str]
+    stage_output_shapes: list[list[tuple[int, ...]]]   # per stage, its output tuple, per sample
+    stage_output_dtypes: list[list[str]]
+    # Estimates.
+    stage_estimates: list[StageEstimate]
+    positions: list[PositionEstimate]
+    load_unit: str                        # "B", "FLOP" or "s": the unit of PositionEstimate.load
+    imbalance: float                      # max / mean of the positions' loads
+    fits: bool | None = None              # None without a memory budget
+    smallest_fitting_stages: int | None = None   # when it does not fit: the least K that would
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def balance(self) -> list[int]:
+        """Units per stage."""
+        return [b - a for a, b in zip(self.cuts, self.cuts[1:])]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest estimated peak over positions."""
+        return max(p.peak_bytes for p in self.positions)
+
+    # -- JSON ------------------------------------------------------------------------
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The plan as JSON text; also written to ``path`` when given."""
+        text = json.dumps(asdict(self), indent=2) + "\n"
+        if path is not None:
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as error:
+                raise GemsError(f"cannot write the plan to {os.fspath(path)!r} ({error.strerror}): "
+                                "choose a writable path") from None
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | os.PathLike) -> Plan:
+        """A plan from JSON text or from a file holding it."""
+        text = os.fspath(path_or_text)
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as error:
+                raise GemsError(f"cannot read plan file {text!r} ({error.strerror}): "
+                                "give the path of a JSON file written by gems-plan --json") from None
+        try:
+            data = json.loads(text)
+            data["input_shape"] = tuple(data["input_shape"])
+            data["stage_output_shapes"] = [[tuple(s) for s in stage] for stage in data["stage_output_shapes"]]
+            data["stage_estimates"] = [StageEstimate(**s) for s in data["stage_estimates"]]
+            data["positions"] = [PositionEstimate(**{**p, "in_flight": {int(k): v for k, v in p["in_flight"].items()}})
+                                 for p in data["positions"]]
+            known = {f.name for f in fields(cls)}
+            plan = cls(**{k: v for k, v in data.items() if k in known})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise GemsError(f"the plan JSON is not valid ({type(error).__name__}: {error}): "
+                            "regenerate it with gems-plan --json") from None
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Raise GemsError unless the cuts describe ``stages`` non-empty stages of the units."""
+        n, K = len(self.unit_names), self.stages
+        ok = (len(self.cuts) == K + 1 and self.cuts[0] == 0 and self.cuts[-1] == n
+              and all(a < b for a, b in zip(self.cuts, self.cuts[1:]))
+              and len(self.stage_output_shapes) == K and len(self.stage_output_dtypes) == K)
+        if not ok:
+            raise GemsError(f"the plan's cuts {self.cuts} do not split its {n} units into {K} non-empty stages: "
+                            f"use {K + 1} increasing cut points from 0 to {n}")
+
+    # -- people ----------------------------------------------------------------------
+    def table(self) -> str:
+        """A human summary: inputs, one row per stage and per position, the balance, the budget."""
+        shape = "x".join(map(str, self.input_shape))
+        lines = [
+            f"model {self.model_name}, input {shape}, batch {self.batch_size} "
+            f"({self.micro_batch_size} per micro-batch), {self.groups} group(s), {self.dtype}, {self.optimizer}",
+            f"schedule {self.schedule}, {self.stages} stages, {self.micro_batches} micro-batch(es) per replica, "
+            f"balanced by {self.balance_by}",
+            "",
+            _rows(["stage", "units", "first..last unit", "params", "activations/mb", "output/mb", "GFLOP/mb"],
+                  [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names),
+                    format_size(s.param_bytes), format_size(s.activation_bytes), format_size(s.output_bytes),
+                    f"{s.forward_flops / 1e9:.1f}"] for s in self.stage_estimates]),
+            "",
+            _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak", "GFLOP/step"],
+                  [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
+                    format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes),
+                    f"{p.flops / 1e9:.1f}"] for p in self.positions]),
+            "",
+            f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
+        ]
+        if self.memory_budget is not None:
+            worst = max(self.positions, key=lambda p: p.peak_bytes)
+            if self.fits:
+                lines.append(f"fits: the largest peak, {format_size(worst.peak_bytes)} on position {worst.position}, "
+                             f"is within the budget of {format_size(self.memory_budget)}")
+            else:
+                smallest = (f"; {self.smallest_fitting_stages} stages would fit"
+                            if self.smallest_fitting_stages else "")
+                lines.append(f"does not fit: position {worst.position} needs {format_size(worst.peak_bytes)}, "
+                             f"over the budget of {format_size(self.memory_budget)}{smallest}")
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns (the first left-aligned)."""
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), *(line(r) for r in rows)])

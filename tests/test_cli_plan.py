@@ -1,0 +1,101 @@
+"""gems-plan: the real-size plan of a big model in seconds, and one clean line for bad input."""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gems.cli import run
+from gems.cli.plan import main
+from gems.errors import GemsError
+
+BASE = ["--model", "resnet18", "--num-classes", "10", "--image-size", "64", "--batch-size", "2", "--stages", "2"]
+
+
+def gems_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; from gems.cli.plan import main; sys.exit(main())",
+                           *args], capture_output=True, text=True, timeout=120)
+
+
+def test_resnet101_at_2048_in_seconds_without_allocating_it(tmp_path):
+    start = time.monotonic()
+    result = gems_plan("--model", "resnet101", "--image-size", "2048", "--batch-size", "2", "--stages", "4",
+                       "--schedule", "mast", "--memory-budget", "40GiB", "--json", str(tmp_path / "p.json"))
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    print(result.stdout)
+    assert elapsed < 60
+    # ~10 GiB of activations per image at this size; the planner itself stays near torch's import size.
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2_500_000   # KiB
+    for word in ("position", "est. peak", "imbalance", "fits"):
+        assert word in result.stdout
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["stages"] == 4 and data["input_shape"] == [3, 2048, 2048] and len(data["cuts"]) == 5
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "resnet18", "--image-size", "2048x", "--batch-size", "2", "--stages", "2"],   # argparse
+    ["--model", "resnet18", "--image-size", "8", "--batch-size", "2", "--stages", "2"],       # GemsError
+])
+def test_bad_input_in_a_subprocess(args):
+    result = gems_plan(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("gems-plan: error: ")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--image-size", "4"], "use a larger image size"),
+    (["--batch-size", "3"], "use a multiple of 2"),
+    (["--stages", "99"], "use at most 10 stages"),
+    (["--balance", "3,4"], "sum to 10"),
+    (["--balance", "3,3,4"], "3 entries but there are 2 stages"),
+    (["--model", "no-such-net"], "unknown model"),
+    (["--model", "missing.py:make"], "does not exist"),
+    (["--memory-budget", "1KiB"], "no number of stages fits"),
+    (["--schedule", "mp", "--micro-batches", "2"], "micro-batches 1"),
+    (["--json", "/no/such/dir/plan.json"], "choose a writable path"),
+    (["--memory-budget", "40GB?"], "40GiB"),
+    (["--image-size", "0"], "image size"),
+    (["--image-size", "32x"], "image size"),
+    (["--balance", "a,b"], "unit counts"),
+    (["--stages", "0"], "positive integer"),
+    (["--schedule", "zigzag"], "invalid choice"),
+    (["--balance-by", "luck"], "invalid choice"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
+    args = BASE.copy()
+    for i in range(0, len(extra), 2):   # replace a flag's value, or add the flag
+        flag = extra[i]
+        if flag in args:
+            args[args.index(flag) + 1] = extra[i + 1]
+        else:
+            args += extra[i:i + 2]
+    try:
+        status = main(args)
+    except SystemExit as exit_:          # argparse
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err
+    assert err.strip().splitlines()[-1].startswith("gems-plan: error: ")
+    assert "Traceback" not in err
+
+
+def test_plan_output_and_hxw(capsys):
+    assert main(BASE + ["--image-size", "64x48", "--memory-budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "input 3x64x48" in out and "fits" in out
+
+
+def test_run_helper(capsys):
+    def fail():
+        raise GemsError("do this instead")
+    assert run("gems-x", fail) == 2
+    assert capsys.readouterr().err == "gems-x: error: do this instead\n"
+    assert run("gems-x", lambda: None) == 0
+    assert run("gems-x", lambda: 3) == 3
