@@ -16,10 +16,17 @@ from gems.errors import GemsError
 USER_ERROR = 2  # the exit status of argparse for bad usage; gems uses it for every user error
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line naming the problem (argparse's default also prints the whole usage)."""
+        self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """An ArgumentParser with gems' conventions (defaults shown in --help)."""
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """An ArgumentParser with gems' conventions: defaults shown in --help, and a bad flag
+    reported in one line with exit status 2."""
+    return _Parser(prog=prog, description=description,
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def checked(convert: Callable[[str], object]) -> Callable[[str], object]:
