@@ -55,6 +55,8 @@ class TrainConfig:
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end and on a signal)")
     keep_checkpoints: int = opt(0, "keep only the newest N complete checkpoints (0: keep all)")
     resume: bool = opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
+    trace: str | None = opt(None, "write a Chrome/Perfetto trace (JSON) of every rank's actions in the last 3 steps")
+    trace_png: str | None = opt(None, "draw the same timeline as a PNG (needs matplotlib: the 'plot' extra)")
     dry_run: bool = opt(False, "print the plan and the batch split, then exit")
     progress: bool = opt(True, "show a progress bar on rank 0")
 
@@ -80,6 +82,9 @@ class TrainConfig:
             raise GemsError("--lr and --timeout must be positive")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise GemsError("--clip-grad-norm must be positive")
+        if self.trace_png:
+            from gems.trace import require_matplotlib  # noqa: PLC0415
+            require_matplotlib()
 
 
 def config_fields():

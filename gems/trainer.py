@@ -22,6 +22,7 @@ from gems.data import TrainData
 from gems.errors import GemsError
 from gems.metrics import Metrics
 from gems.topology import Topology
+from gems.trace import Recorder
 from gems.units import parse_size
 
 PREEMPTED = 3
@@ -174,6 +175,7 @@ def run(job: Job) -> int:
     total = cfg.steps if cfg.steps is not None else (cfg.epochs or 1) * data.steps_per_epoch
     meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size}
     metrics = Metrics(cfg, comm, engine, plan, start, total)
+    tracer = Recorder(engine, keep=3) if cfg.trace or cfg.trace_png else None
     signals = _Signals()
     stream, stream_epoch = None, None
     step = start
@@ -188,6 +190,8 @@ def run(job: Job) -> int:
             began = time.perf_counter()
             loss = engine.step(images, labels)
             step += 1
+            if tracer is not None:
+                tracer.record(step)
             stop = metrics.record(step, loss, time.perf_counter() - began, data.skipped, signals.caught)
             if not engine.last_step_applied and not cfg.skip_nonfinite:
                 if rank0:
@@ -205,5 +209,12 @@ def run(job: Job) -> int:
                 return PREEMPTED
     finally:
         metrics.close()
+    if tracer is not None:
+        tracer.write(comm, cfg.trace, cfg.trace_png, {"model": cfg.model, "schedule": cfg.schedule,
+                                                      "K": cfg.stages, "m": cfg.micro_batches,
+                                                      "batch": cfg.batch_size, "image": cfg.image_size})
+        if rank0:
+            print(f"gems-train: timeline of the last {len(tracer.timeline.steps)} step(s) written to "
+                  f"{' and '.join(p for p in (cfg.trace, cfg.trace_png) if p)}", flush=True)
     metrics.summary()
     return 0

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gems import schedule as schedules
 from .profile import ModelProfile
 
 BALANCE_BY = ("memory", "time", "flops")
@@ -30,16 +31,17 @@ def _segments(prefix: np.ndarray) -> np.ndarray:
     return prefix[None, :] - prefix[:, None]
 
 
-def memory_floor(profile: ModelProfile) -> float:
-    """A peak no partition can beat, whatever K or schedule: the position holding unit u holds
-    at least the cheapest stage containing u (its static memory, one micro-batch of its
-    activations, its working memory). The max over u of that."""
+def memory_floor(profile: ModelProfile) -> tuple[float, int]:
+    """A peak no partition can beat, whatever K or schedule, and the unit that forces it: the
+    position holding unit u holds at least the cheapest stage containing u (its static
+    memory, one micro-batch of its activations, its working memory). The max over u."""
     n = len(profile)
     cost = _segments(profile.unit_sums("static_bytes")) + profile.activation_matrix() + profile.working_matrix()
     cost[np.tril_indices(n + 1)] = np.inf                             # only lo < hi are stages
     beyond = np.minimum.accumulate(cost[:, ::-1], axis=1)[:, ::-1]    # [lo, u+1] -> min over hi > u
-    cheapest = np.minimum.accumulate(beyond[:n, 1:], axis=0)           # [lo, u] -> min over lo <= u
-    return float(np.max(np.diagonal(cheapest)))
+    cheapest = np.diagonal(np.minimum.accumulate(beyond[:n, 1:], axis=0))   # u -> min over lo <= u
+    unit = int(np.argmax(cheapest))
+    return float(cheapest[unit]), unit
 
 
 def memory_average(profile: ModelProfile, K: int) -> float:
@@ -55,11 +57,13 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
                  unit_times: Sequence[float] | None = None) -> None:
-        from gems import schedule as schedules   # the lead's pure module; imported when used
-
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
         self.mirror = schedules.replicas(schedule) == 2
         self.in_flight = schedules.in_flight(schedule, K, micro_batches)
+        self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
+        expected = [sorted({p, K - 1 - p}) if self.mirror else [p] for p in range(K)]
+        if self._holds != expected:   # the solver's placement must be the schedule's
+            raise RuntimeError(f"schedule {schedule} places stages as {self._holds}, the solver as {expected}")
         self.static = _segments(profile.unit_sums("static_bytes"))
         self.activations = profile.activation_matrix()
         self.transient = profile.working_matrix()
@@ -74,8 +78,8 @@ class CostModel:
             self.time_unit = "s"
 
     def holds(self, position: int) -> list[int]:
-        """Stages a position holds (mirrored: p and K-1-p)."""
-        return sorted({position, self.K - 1 - position}) if self.mirror else [position]
+        """Stages a position holds (mirrored: p and K-1-p), per ``gems.schedule.holds``."""
+        return self._holds[position]
 
     def handled(self, position: int, stage: int) -> int:
         """Micro-batches of ``stage`` that ``position`` runs per step."""

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gems import schedule as schedules
 from gems.errors import GemsError
 from gems.units import format_size, parse_size
 from .costs import BALANCE_BY, CostModel, memory_average, memory_floor
@@ -37,8 +38,6 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     backward, e.g. from ``measure_times``) makes ``balance_by="time"`` use measurements
     instead of FLOPs. Raises GemsError naming the fix for any unusable input.
     """
-    from gems import schedule as schedules
-
     name = model_name or type(model).__name__
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise GemsError("the model must be a non-empty nn.Sequential of units: build it with gems.models.build")
@@ -125,21 +124,26 @@ def _assemble(prof: ModelProfile, costs: CostModel, cuts: list[int], loads: list
 def _smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget: int, name: str) -> int:
     """The least stage count above K whose memory-balanced partition fits ``budget``.
 
-    Stage counts that a lower bound already rules out are skipped without solving; when none
-    fits, the least peak over all stage counts >= K goes into the error message.
+    Stage counts that a lower bound already rules out are skipped without solving. When no
+    stage count fits, the error names either a unit that no partition can fit (cheap) or the
+    least peak over all stage counts >= K (a solve per stage count: slow for 300+ units).
     """
     n = len(prof)
-    floor = memory_floor(prof)
-    if floor <= budget:
-        for k in range(K + 1, n + 1):
-            if memory_average(prof, k) > budget:
-                continue
-            costs = CostModel(prof, schedule, k, m)
-            if costs.memory_lower_bound() > budget:
-                continue
-            if solve(n, k, costs.memory, costs.peak, costs.mirror, limit=budget, refine=False,
-                     remainder=costs.memory_remainder()) is not None:
-                return k
+    floor, unit = memory_floor(prof)
+    if floor > budget:
+        raise GemsError(f"no number of stages fits {name} in the memory budget of {format_size(budget)}: "
+                        f"however it is cut, the position holding unit {prof.units[unit].name} needs at least "
+                        f"{format_size(floor)}, {format_size(floor - budget)} over the budget; "
+                        "raise the budget or shrink the batch or image size")
+    for k in range(K + 1, n + 1):
+        if memory_average(prof, k) > budget:
+            continue
+        costs = CostModel(prof, schedule, k, m)
+        if costs.memory_lower_bound() > budget:
+            continue
+        if solve(n, k, costs.memory, costs.peak, costs.mirror, limit=budget, refine=False,
+                 remainder=costs.memory_remainder()) is not None:
+            return k
     best = None
     for k in range(n, K - 1, -1):   # nothing fits: the least peak any stage count reaches
         if best is not None and max(floor, memory_average(prof, k)) >= best:

@@ -9,9 +9,11 @@ from torch import nn
 
 from gems.errors import GemsError
 from gems.models import build
-from gems.partition import Plan, plan
+from gems.partition import CostModel, Plan, plan, profile, solve
+from gems.partition.costs import memory_floor
 from gems.partition.accuracy import toy_model
 from gems.schedule import holds, in_flight
+from gems.units import format_size
 
 SHAPE = (3, 32, 32)
 
@@ -103,8 +105,20 @@ def test_memory_budget():
     tight = plan(toy_model(), SHAPE, 2, 2, memory_budget=peak4)
     assert tight.fits is False and 2 < tight.smallest_fitting_stages <= 4
     assert "does not fit" in tight.table()
-    with pytest.raises(GemsError, match="no number of stages fits .* smallest possible peak is .* over the budget"):
+    with pytest.raises(GemsError, match="no number of stages fits .* however it is cut, the position holding unit "
+                                        r"\w+ needs at least .* over the budget"):
         plan(toy_model(), SHAPE, 2, 2, memory_budget="1KiB")
+
+
+def test_no_stage_count_fits_names_the_least_peak():
+    prof = profile(toy_model(), SHAPE, 1)
+    floor, _ = memory_floor(prof)
+    n = len(prof)
+    least = min(solve(n, k, *CostModel(prof, "mast", k, 1).objective("memory")[:2], mirror=True).value
+                for k in range(2, n + 1))
+    assert floor < least    # a budget in between passes the cheap test but fits no stage count
+    with pytest.raises(GemsError, match=f"smallest possible peak is {format_size(least)}"):
+        plan(toy_model(), SHAPE, 2, 2, memory_budget=int(floor) + 1)
 
 
 @pytest.mark.parametrize("kwargs, message", [

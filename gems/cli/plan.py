@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_STATE))
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--num-classes", type=checked(positive), default=1000)
+    p.add_argument("--measure-time", action="store_true",
+                   help="time every unit on this machine (CUDA if present) at the real size, for --balance-by time; "
+                        "without it, time is estimated from FLOPs")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     return p
 
@@ -90,16 +93,29 @@ def _plan(args: argparse.Namespace) -> None:
     from gems.models import build
     from gems.partition import plan
 
-    try:
-        with torch.device("meta"):   # only shapes are needed: build without allocating weights
-            model = build(args.model, num_classes=args.num_classes)
-    except (RuntimeError, NotImplementedError):   # a factory that must touch real weights
+    from gems.partition import measure_times
+    from gems.schedule import replicas
+
+    if args.measure_time:
         model = build(args.model, num_classes=args.num_classes)
+    else:
+        try:
+            with torch.device("meta"):   # only shapes are needed: build without allocating weights
+                model = build(args.model, num_classes=args.num_classes)
+        except (RuntimeError, NotImplementedError):   # a factory that must touch real weights
+            model = build(args.model, num_classes=args.num_classes)
     height, width = args.image_size
-    result = plan(model, (args.channels, height, width), batch_size=args.batch_size, stages=args.stages,
-                  schedule=args.schedule, micro_batches=args.micro_batches, balance_by=args.balance_by,
-                  memory_budget=args.memory_budget, balance=args.balance, optimizer=args.optimizer,
-                  dtype=args.dtype, groups=args.groups, model_name=args.model)
+    shape = (args.channels, height, width)
+    options = dict(batch_size=args.batch_size, stages=args.stages, schedule=args.schedule,
+                   micro_batches=args.micro_batches, balance_by=args.balance_by, memory_budget=args.memory_budget,
+                   balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
+                   model_name=args.model)
+    if args.measure_time:
+        plan(model, shape, **{**options, "balance": None, "stages": 1, "memory_budget": None})   # validates first
+        split = args.groups * replicas(args.schedule) * args.micro_batches
+        options["unit_times"] = measure_times(model, shape, max(1, args.batch_size // split),
+                                              dtype=getattr(torch, args.dtype))
+    result = plan(model, shape, **options)
     if args.json:
         result.to_json(args.json)
     print(result.table())
