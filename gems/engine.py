@@ -56,7 +56,8 @@ class Engine:
         loss_fn: ``(output, labels) -> scalar`` mean over the micro-batch (e.g. CrossEntropyLoss()).
         comm: ``"mpi"`` (default), ``"torch"``, or a ready ``gems.comm.Comm``. Given a name, the
             engine also sets torch's CPU threads to this rank's share of the node's cores.
-        device: where the stages run; default ``cuda:<local rank>`` when CUDA is present.
+        device: where the stages run; default the communicator's (``cuda:<local rank>`` when
+            CUDA is present, else CPU).
         timeout: seconds a rank waits on a peer before aborting the job.
         prefetch: receives posted ahead of need.
         clip_grad_norm: scale gradients so their global L2 norm (all stages) is at most this.
@@ -76,14 +77,11 @@ class Engine:
         if plan.cuts[-1] != len(model):
             raise GemsError(f"the plan cuts {plan.cuts[-1]} units but the model has {len(model)}: "
                             "make the plan from this model")
-        kind = torch.device(device).type if device is not None else (
-            "cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(comm, str):
-            comm = comm_lib.create(comm, device=torch.device(kind), timeout=timeout)
+            comm = comm_lib.create(comm, device=device, timeout=timeout)
             comm_lib.configure_threads(comm)  # cores / ranks on the node, unless OMP_NUM_THREADS
         self.comm = comm
-        self.device = torch.device(device if device is not None else
-                                   (f"cuda:{comm.local_rank}" if kind == "cuda" else "cpu"))
+        self.device = comm.device if device is None else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.plan, self.loss_fn, self.prefetch = plan, loss_fn, max(1, prefetch)

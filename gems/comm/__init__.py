@@ -37,14 +37,14 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
            backoff: Backoff = Backoff()) -> Comm:
     """The communicator of this process (COLLECTIVE: every rank calls it once, at start-up).
 
-    ``device``: where this rank's tensors live (default CPU); picks NCCL for the torch backend on
-    CUDA. ``timeout``: seconds any single wait may last before CommTimeout (keep it above the
+    ``device``: where this rank's tensors live (default: this rank's GPU when CUDA is present,
+    else CPU); picks NCCL for the torch backend on CUDA. ``timeout``: seconds any single wait may last before CommTimeout (keep it above the
     longest compute between two messages). ``backoff``: the sleeps of the polling loop."""
     if backend not in BACKENDS:
         raise GemsError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not timeout > 0:
         raise GemsError(f"the communication timeout must be a positive number of seconds, got {timeout}")
-    device = torch.device(device if device is not None else "cpu")
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend == "mpi":
         from gems.comm.mpi_backend import MPIComm
 
