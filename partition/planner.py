@@ -3,8 +3,8 @@
     profile (fake run at the real size) -> CostModel (schedule, K, m) -> solver -> Plan
 
 With a memory budget that the requested K misses, the plan also names the smallest K that
-would fit, found by checking K+1, K+2, ... (each check is the solver with the budget as a
-bound, which gives up early when the budget is far off).
+would fit, checking K+1, K+2, ...: lower bounds rule most out without solving, the rest run
+the solver with the budget as its limit (it gives up early when the budget is far off).
 """
 from __future__ import annotations
 

@@ -92,6 +92,11 @@ def test_plan_output_and_hxw(capsys):
     assert "input 3x64x48" in out and "fits" in out
 
 
+def test_measured_time_balance(capsys):
+    assert main(BASE + ["--schedule", "1f1b", "--balance-by", "time", "--measure-time"]) == 0
+    assert "imbalance (max/mean time" in capsys.readouterr().out
+
+
 def test_run_helper(capsys):
     def fail():
         raise GemsError("do this instead")

@@ -91,9 +91,7 @@ def _plan(args: argparse.Namespace) -> None:
     import torch
 
     from gems.models import build
-    from gems.partition import plan
-
-    from gems.partition import measure_times
+    from gems.partition import measure_times, plan
     from gems.schedule import replicas
 
     if args.measure_time:
@@ -111,10 +109,10 @@ def _plan(args: argparse.Namespace) -> None:
                    balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
                    model_name=args.model)
     if args.measure_time:
-        plan(model, shape, **{**options, "balance": None, "stages": 1, "memory_budget": None})   # validates first
-        split = args.groups * replicas(args.schedule) * args.micro_batches
-        options["unit_times"] = measure_times(model, shape, max(1, args.batch_size // split),
-                                              dtype=getattr(torch, args.dtype))
+        # Check the input on fake tensors first, so that a bad size fails cleanly, not mid-timing.
+        plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None})
+        micro_batch = args.batch_size // (args.groups * replicas(args.schedule) * args.micro_batches)
+        options["unit_times"] = measure_times(model, shape, micro_batch, dtype=getattr(torch, args.dtype))
     result = plan(model, shape, **options)
     if args.json:
         result.to_json(args.json)
