@@ -104,3 +104,13 @@ def test_run_helper(capsys):
     assert capsys.readouterr().err == "gems-x: error: do this instead\n"
     assert run("gems-x", lambda: None) == 0
     assert run("gems-x", lambda: 3) == 3
+
+
+def test_simulate_predicts_every_schedule():
+    result = subprocess.run([sys.executable, "-m", "gems.cli.plan", "--model", "resnet18", "--image-size", "256",
+                             "--batch-size", "4", "--stages", "2", "--micro-batches", "2", "--simulate"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()[-4:]]
+    assert rows == ["mp", "gpipe", "1f1b", "mast"]
+    assert "<- this plan" in result.stdout.splitlines()[-1]

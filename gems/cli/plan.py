@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
 from gems.errors import GemsError
-from gems.units import parse_size
+from gems.units import format_size, parse_size
 
 PROG = "gems-plan"
 
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every unit on this machine (CUDA if present) at the real size, for --balance-by time; "
                         "without it, time is estimated from FLOPs")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    p.add_argument("--simulate", action="store_true",
+                   help="predict step time, throughput and bubbles of this plan and of every schedule "
+                        "at the same K and m (gems.simulate)")
+    p.add_argument("--device-tflops", type=float, default=15.7,
+                   help="device peak rate for --simulate (default: a V100's fp32 peak)")
+    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of the peak the kernels reach")
     return p
 
 
@@ -119,6 +125,35 @@ def _plan(args: argparse.Namespace) -> None:
     print(result.table())
     if args.json:
         print(f"plan written to {args.json}")
+    if args.simulate:
+        print(_simulation(model, shape, options, result, args))
+
+
+def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -> str:
+    """Predicted step of the chosen plan and of the other schedules at the same K (each with
+    its own partition), so the table also recommends a schedule."""
+    from gems.partition import plan
+    from gems.simulate import V100_CLUSTER, simulate_plan
+
+    rate = args.device_tflops * 1e12
+    lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
+             f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node, "
+             f"{V100_CLUSTER.bandwidth / 1e9:.1f} GB/s between nodes of {V100_CLUSTER.ranks_per_node}",
+             f"{'schedule':10}{'m':>3}{'step (ms)':>11}{'images/s':>10}{'bubble':>8}{'est. peak':>12}"]
+    for name in ("mp", "gpipe", "1f1b", "mast"):
+        m = 1 if name == "mp" else args.micro_batches
+        try:
+            p = chosen if (name, m) == (chosen.schedule, chosen.micro_batches) else plan(
+                model, shape, **{**options, "schedule": name, "micro_batches": m, "memory_budget": None,
+                                 "batch_size": chosen.micro_batch_size * chosen.groups * m
+                                 * (2 if name == "mast" else 1)})
+        except GemsError:
+            continue
+        r = simulate_plan(p, V100_CLUSTER, rate, args.efficiency)
+        mark = "  <- this plan" if p is chosen else ""
+        lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
+                     f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
