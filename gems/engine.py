@@ -160,6 +160,7 @@ class Engine:
         self.bucket = torch.zeros(n_grad + n_buf, dtype=dtype, device=self.device)
         self._grads = self.bucket[:n_grad]
         self._stats = self.bucket[n_grad:]
+        self._stats_before = torch.empty_like(self._stats)
         offset = 0
         for p in params:
             p.grad = self.bucket[offset:offset + p.numel()].view_as(p)
@@ -187,6 +188,7 @@ class Engine:
         self._images = self._shard(images, "images", self.needs_images)
         self._labels = self._shard(labels, "labels", self.needs_labels)
         self._loss.zero_()
+        self._gather_stats(self._stats_before)  # restored if the step turns out not finite
         self._posted, self._consumed = {}, 0
         self._post()
         timer, now = self.timer, self.timer.now
@@ -288,16 +290,11 @@ class Engine:
             self.comm.wait(req, "a send to complete")
         self._sends = []
         if self.sync is not None:
-            if self._buffers:
-                torch.cat([b.reshape(-1) for b in self._buffers], out=self._stats)
+            self._gather_stats(self._stats)
             self.comm.allreduce(self.bucket, self.sync, "the gradient allreduce")
             if self._buffers:
                 self._stats /= self.sync.size
-                offset = 0
-                with torch.no_grad():
-                    for b in self._buffers:
-                        b.copy_(self._stats[offset:offset + b.numel()].view_as(b))
-                        offset += b.numel()
+                self._scatter_stats(self._stats)
         # One world allreduce carries the loss and, for clipping, the squared gradient norm;
         # each stage's norm is counted once, by its copy on (group 0, position = stage).
         self._scalars[0] = self._loss[0]
@@ -309,10 +306,24 @@ class Engine:
                 self._scalars[1] = torch.stack(own).sum()
         self.comm.allreduce(self._scalars, None, "the loss allreduce")
 
+    def _gather_stats(self, out: torch.Tensor) -> None:
+        if self._buffers:
+            torch.cat([b.reshape(-1) for b in self._buffers], out=out)
+
+    @torch.no_grad()
+    def _scatter_stats(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for b in self._buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
     def _apply(self) -> None:
-        """The optimizer step, unless the loss is not finite; then zero the gradients."""
+        """The optimizer step, unless the loss is not finite: then the step leaves no trace
+        (BatchNorm statistics go back to their values before it) and gradients are zeroed."""
         self.last_step_applied = bool(torch.isfinite(self._scalars[0]))
-        if self.last_step_applied:
+        if not self.last_step_applied:
+            self._scatter_stats(self._stats_before)
+        else:
             if self.clip_grad_norm is not None:
                 self.last_grad_norm = math.sqrt(float(self._scalars[1]))
                 scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)

@@ -215,3 +215,28 @@ def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_p
     assert "at step 2" in result.stdout and "gems-train: done" in result.stdout
     mismatch = single(*BASE, "--batch-size", "4", "--stages", "1", "--plan", str(plan), "--steps", "1")
     assert mismatch.returncode == 2 and "pass --schedule gpipe" in mismatch.stderr, mismatch.stderr
+
+
+NONFINITE = """
+import torch, gems
+from gems import partition
+from tiny_model import tiny
+model = tiny(num_classes=3)
+plan = partition.plan(model, input_shape=(3, 16, 16), batch_size=2, stages=1, schedule="mp")
+engine = gems.Engine(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=torch.nn.CrossEntropyLoss())
+before = {k: v.clone() for k, v in engine.state_dict().items() if v.is_floating_point()}
+images, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 1])
+loss = engine.step(torch.full_like(images, float("nan")), labels)
+after = engine.state_dict()
+assert loss != loss and not engine.last_step_applied, loss
+assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics included
+engine.step(images, labels)
+assert engine.last_step_applied
+print("nonfinite ok")
+"""
+
+
+def test_a_non_finite_loss_is_never_applied():
+    result = subprocess.run([sys.executable, "-c", NONFINITE], cwd=REPO / "tests" / "assets", capture_output=True,
+                            text=True, timeout=120)
+    assert "nonfinite ok" in result.stdout, result.stderr
