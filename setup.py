@@ -14,13 +14,16 @@ setup(
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # --trace-png draws timelines with matplotlib
+        "plot": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [
             "gems-plan=gems.cli.plan:main",
             "gems-train=gems.cli.train:main",
             "gems-export=gems.cli.export:main",
+            "gems-bench=gems.cli.bench:main",
         ],
     },
 )

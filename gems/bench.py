@@ -1,0 +1,358 @@
+"""gems-bench: every schedule on the same model, data and ranks, against one unpartitioned rank.
+
+For each schedule the benchmark builds one Engine (a fresh copy of the same initial model,
+the schedule's own plan), runs ``warmup + steps`` steps on one synthetic batch generated
+once, and reports medians over the measured steps:
+
+    images/s      global batch / step time (a step's time is the slowest rank's engine.step)
+    vs mp         images/s over those of schedule mp
+    efficiency    images/s over the physical limit: world x the reference's images/s, the
+                  reference being plain PyTorch forward/backward/SGD of the whole model on the
+                  same batch, on rank 0, with the threads one rank uses (the others wait)
+    bubble        1 - busy / (ranks x step time); busy = forward + backward + optimizer
+                  time from the engine timelines
+    memory        peak per rank as measured (``gems.memory``, reset before each schedule)
+                  and as the plan estimated
+    simulator     ``gems.simulate`` replaying the schedule with per-stage forward/backward
+                  times measured from the same timelines (medians per stage), a network
+                  measured by ping-pong between ranks 0 and 1, and the measured optimizer
+                  time: predicted step time and its error against the measured one.
+
+Micro-batches: ``mp`` always runs one; by default the others use micro-batches of one image
+per group and replica (batch 2 on 2 ranks: gpipe/1f1b m = 2, mast m = 1 per replica), so
+every schedule except mp handles the same micro-batch size.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import time
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gems import memory, models, partition, simulate
+from gems import schedule as sch
+from gems import trace
+from gems.errors import GemsError
+from gems.units import format_size
+
+
+def opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class BenchConfig:
+    model: str = opt("resnet18", "registry name or path/file.py:factory")
+    image_size: int = opt(512, "side of the square synthetic images, in pixels")
+    batch_size: int = opt(2, "global batch: images per optimizer step over all ranks")
+    schedules: str = opt("mp,gpipe,1f1b,mast", "comma-separated schedules to run, in this order")
+    steps: int = opt(10, "measured steps per schedule")
+    warmup: int = opt(2, "steps run before measuring (allocator, caches, first messages)")
+    micro_batches: int | None = opt(None, "micro-batches per replica for gpipe/1f1b/mast (mp always 1); "
+                                          "default: micro-batches of one image")
+    stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group)")
+    balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
+    num_classes: int = opt(10, "classes of the classifier head")
+    lr: float = opt(0.01, "SGD learning rate (momentum 0.9), the same for every run")
+    seed: int = opt(0, "seed of the model and the synthetic batch")
+    reference: bool = opt(True, "time the unpartitioned single-rank reference on rank 0")
+    comm: str = opt("mpi", "communication backend", choices=("mpi", "torch"))
+    timeout: float = opt(600.0, "seconds a rank waits for a peer before aborting the job")
+    json: str | None = opt(None, "write all results to this JSON file")
+    trace_dir: str | None = opt(None, "write a Perfetto trace (SCHEDULE.json) and, with matplotlib, "
+                                      "a picture of the last step (SCHEDULE.png) per schedule here")
+
+    def schedule_list(self) -> list[str]:
+        names = [s.strip() for s in self.schedules.split(",") if s.strip()]
+        unknown = [s for s in names if s not in sch.SCHEDULES]
+        if not names or unknown:
+            raise GemsError(f"--schedules takes a comma-separated subset of {','.join(sch.SCHEDULES)}, "
+                            f"got {self.schedules!r}")
+        return names
+
+    def validate(self, world: int) -> None:
+        self.schedule_list()
+        for name in ("image_size", "batch_size", "steps", "num_classes"):
+            if getattr(self, name) < 1:
+                raise GemsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise GemsError(f"--warmup cannot be negative, got {self.warmup}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise GemsError(f"--micro-batches must be at least 1, got {self.micro_batches}")
+        K = self.stages or world
+        if K < 1 or world % K:
+            raise GemsError(f"--stages {K} does not divide the {world} ranks: use a divisor of {world}")
+        if self.lr <= 0 or self.timeout <= 0:
+            raise GemsError("--lr and --timeout must be positive")
+        for name in self.schedule_list():
+            m = micro_batches_for(self, name, world // K)
+            parts = world // K * sch.replicas(name) * m
+            if self.batch_size % parts:
+                raise GemsError(f"--batch-size {self.batch_size} does not split into {world // K} group(s) x "
+                                f"{sch.replicas(name)} replica(s) x {m} micro-batch(es) for {name}: "
+                                f"use a multiple of {parts}")
+
+
+def micro_batches_for(cfg: BenchConfig, name: str, groups: int) -> int:
+    """m for one schedule: 1 for mp; else --micro-batches, or as many as make one image each."""
+    if name == "mp":
+        return 1
+    if cfg.micro_batches is not None:
+        return cfg.micro_batches
+    parts = groups * sch.replicas(name)
+    if cfg.batch_size % parts:
+        raise GemsError(f"--batch-size {cfg.batch_size} does not split into {groups} group(s) x "
+                        f"{sch.replicas(name)} replica(s) for {name}: use a multiple of {parts}")
+    return cfg.batch_size // parts
+
+
+def synthetic_batch(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of random images and labels, identical on every rank (same seed)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=g)
+    return images, torch.randint(0, cfg.num_classes, (cfg.batch_size,), generator=g)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the peak that ``gems.memory.peak_bytes`` reports (Linux: /proc/self/clear_refs
+    resets the peak resident set size), so each schedule's peak is its own."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
+    """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
+    (its polling waits included, as the engine sees them); free communication on one rank."""
+    if comm.size < 2:
+        return simulate.IDEAL
+    result = [0.0, 0.0]
+    if comm.rank < 2:
+        peer = 1 - comm.rank
+        for i, size in enumerate((8, max(nbytes, 1 << 20))):
+            buf = torch.zeros(size // 4 + 1, dtype=torch.float32)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                for turn in (0, 1):
+                    if turn == comm.rank:
+                        comm.wait(comm.isend((buf,), peer, 1), "the ping-pong")
+                    else:
+                        comm.wait(comm.irecv((buf,), peer, 1), "the ping-pong")
+                times.append((time.perf_counter() - start) / 2)
+            result[i] = statistics.median(times[1:])
+    latency, large = comm.allgather_object(result)[0]
+    size = max(nbytes, 1 << 20)
+    bandwidth = size / max(large - latency, 1e-9)
+    return simulate.Network(latency=latency, bandwidth=bandwidth)
+
+
+def reference(model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor, cfg: BenchConfig,
+              device: torch.device) -> dict:
+    """Plain PyTorch on one rank: forward, backward and SGD of the whole model on the batch."""
+    model = copy.deepcopy(model).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = images.to(device), labels.to(device)
+    reset_peak_memory(device)
+    times = []
+    for _ in range(cfg.warmup + cfg.steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times[cfg.warmup:])
+    return {"step_time": step, "images_per_s": cfg.batch_size / step, "peak_memory": memory.peak_bytes(device),
+            "threads": torch.get_num_threads()}
+
+
+@dataclass
+class ScheduleResult:
+    schedule: str
+    micro_batches: int
+    micro_batch_size: int
+    cuts: list[int]
+    step_time: float                  # median seconds over measured steps (slowest rank)
+    images_per_s: float
+    bubble: float                     # median over steps
+    peak_memory: list[int]            # per rank, measured
+    plan_memory: list[int]            # per rank, the plan's estimate for its position
+    stage_forward: list[float]        # median seconds per micro-batch, per stage
+    stage_backward: list[float]
+    optimizer_time: float
+    predicted_step_time: float
+    ratio_to_mp: float | None = None
+    efficiency: float | None = None
+
+    @property
+    def simulator_error(self) -> float:
+        return self.predicted_step_time / self.step_time - 1.0
+
+
+def _stage_medians(ranks: list[trace.RankTimeline], op: str, K: int) -> list[float]:
+    found: dict[int, list[float]] = {s: [] for s in range(K)}
+    for r in ranks:
+        for step in r.steps:
+            for label, a, b in step.spans:
+                parts = trace.parse(label)
+                if parts["op"] == op:
+                    found[parts["stage"]].append(b - a)
+    return [statistics.median(v) if v else 0.0 for v in found.values()]
+
+
+def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor,
+                 cfg: BenchConfig, comm, K: int, network: simulate.Network) -> ScheduleResult:
+    """COLLECTIVE: train ``name`` for warmup + steps steps; every rank returns the result."""
+    from gems.engine import Engine  # noqa: PLC0415
+
+    groups = comm.size // K
+    m = micro_batches_for(cfg, name, groups)
+    plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
+                          balance_by=cfg.balance_by, groups=groups, model_name=cfg.model)
+    engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
+                    loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout)
+    recorder = trace.Recorder(engine, keep=None)
+    comm.barrier()
+    reset_peak_memory(engine.device)
+    times = []
+    for step in range(cfg.warmup + cfg.steps):
+        start = time.perf_counter()
+        engine.step(images, labels)
+        times.append(time.perf_counter() - start)
+        if step >= cfg.warmup:
+            recorder.record(step - cfg.warmup + 1)
+    peak = memory.peak_bytes(engine.device)
+    gathered = comm.allgather_object((recorder.timeline, times[cfg.warmup:], peak))
+    ranks = [g[0] for g in gathered]
+    if cfg.trace_dir and comm.rank == 0:
+        meta = {"schedule": name, "model": cfg.model, "image": cfg.image_size, "batch": cfg.batch_size,
+                "K": K, "m": m}
+        trace.write_json(Path(cfg.trace_dir) / f"{name}.json", ranks, meta)
+        if trace.have_matplotlib():
+            last = [trace.RankTimeline(r.rank, r.group, r.position, r.steps[-1:]) for r in ranks]
+            trace.write_png(Path(cfg.trace_dir) / f"{name}.png", last, trace.title(meta))
+    del engine, recorder
+    gc.collect()
+
+    step_times = [max(per_rank) for per_rank in zip(*(g[1] for g in gathered))]
+    bubbles = []
+    for i, wall in enumerate(step_times):
+        busy = sum(trace.busy_seconds(r.steps[i].spans) for r in ranks)
+        bubbles.append(1.0 - busy / (comm.size * wall))
+    forward = _stage_medians(ranks, sch.FORWARD, K)
+    backward = _stage_medians(ranks, sch.BACKWARD, K)
+    optimizer = max(statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
+                    for r in ranks)
+    stages = plan.stage_estimates
+    costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
+                           param_bytes=[s.param_bytes for s in stages])
+    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer).step_time
+    step = statistics.median(step_times)
+    return ScheduleResult(
+        schedule=name, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),
+        step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
+        peak_memory=[g[2] for g in gathered], plan_memory=[plan.positions[r.position].peak_bytes for r in ranks],
+        stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted)
+
+
+def run(cfg: BenchConfig, comm) -> dict | None:
+    """COLLECTIVE: the whole benchmark; rank 0 returns the results (others None)."""
+    cfg.validate(comm.size)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other work skews timings
+    names = cfg.schedule_list()
+    K = cfg.stages or comm.size
+    if cfg.trace_dir and comm.rank == 0:
+        Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", comm.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model, num_classes=cfg.num_classes)
+    images, labels = synthetic_batch(cfg)
+    boundary = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, "mp",
+                              balance_by=cfg.balance_by).stage_estimates[0].output_bytes
+    network = measure_network(comm, boundary)
+    ref = None
+    if cfg.reference:
+        comm.barrier()
+        if comm.rank == 0:
+            ref = reference(model, images, labels, cfg, device)
+        comm.barrier()   # polls with back-off: the waiting ranks leave rank 0's core alone
+    results = [run_schedule(name, model, images, labels, cfg, comm, K, network) for name in names]
+    if comm.rank != 0:
+        return None
+    mp = next((r for r in results if r.schedule == "mp"), None)
+    for r in results:
+        r.ratio_to_mp = r.images_per_s / mp.images_per_s if mp else None
+        r.efficiency = r.images_per_s / (comm.size * ref["images_per_s"]) if ref else None
+    report = {
+        "config": asdict(cfg), "world": comm.size, "load_average": load, "stages": K, "groups": comm.size // K,
+        "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
+        "network": {"latency": network.latency, "bandwidth": network.bandwidth},
+        "reference": ref,
+        "schedules": {r.schedule: {**asdict(r), "simulator_error": r.simulator_error} for r in results},
+    }
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def table(report: dict) -> str:
+    """The human-readable report: throughput, simulator and memory tables."""
+    cfg, ref = report["config"], report["reference"]
+    K, D, W = report["stages"], report["groups"], report["world"]
+    net = report["network"]
+    lines = [f"gems-bench: {cfg['model']} {cfg['image_size']}x{cfg['image_size']}, batch {cfg['batch_size']}, "
+             f"K={K}, D={D}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
+             f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
+             + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
+    if ref:
+        lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
+                     f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
+                     f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
+    rows = [["schedule", "m", "images/mb", "cuts", "step ms", "images/s", "vs mp", "efficiency", "bubble"]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], str(r["micro_batches"]), str(r["micro_batch_size"]),
+                     ",".join(map(str, r["cuts"])), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
+                     "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
+                     "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
+    lines += ["", *_grid(rows)]
+    lines += ["", f"simulator (gems.simulate) with per-stage times measured from the timelines; network by "
+                  f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s"]
+    rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms", "predicted ms", "measured ms",
+             "error"]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], "/".join(map(_ms, r["stage_forward"])), "/".join(map(_ms, r["stage_backward"])),
+                     _ms(r["optimizer_time"]), _ms(r["predicted_step_time"]), _ms(r["step_time"]),
+                     f"{r['simulator_error']:+.1%}"])
+    lines += _grid(rows)
+    lines += ["", f"peak memory per rank, measured ({report['memory_kind']}) / plan estimate"]
+    rows = [["schedule", *(f"rank {i}" for i in range(W))]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], *(f"{format_size(a)} / {format_size(b)}"
+                                      for a, b in zip(r["peak_memory"], r["plan_memory"]))])
+    if ref:
+        rows.append(["reference", format_size(ref["peak_memory"]), *(["-"] * (W - 1))])
+    lines += _grid(rows)
+    return "\n".join(lines)
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]

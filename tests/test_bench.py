@@ -1,0 +1,76 @@
+"""gems-bench: per-schedule micro-batch choice, input checks, and a 2-rank run on a tiny model
+that prints every schedule and writes well-formed JSON and traces (no timing assertions)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_mpi
+from gems.bench import BenchConfig, micro_batches_for
+from gems.errors import GemsError
+
+BENCH = Path(sys.executable).parent / "gems-bench"
+TINY = "tests/assets/tiny_model.py:tiny"
+
+
+def test_default_micro_batches_hold_one_image():
+    cfg = BenchConfig(batch_size=8)
+    assert [micro_batches_for(cfg, s, 1) for s in ("mp", "gpipe", "1f1b", "mast")] == [1, 8, 8, 4]
+    assert micro_batches_for(BenchConfig(batch_size=8), "mast", 2) == 2
+    assert micro_batches_for(BenchConfig(batch_size=8, micro_batches=2), "gpipe", 1) == 2
+
+
+@pytest.mark.parametrize("kw, world, message", [
+    ({"schedules": "mp,zigzag"}, 2, "--schedules"),
+    ({"stages": 3}, 2, "--stages 3"),
+    ({"batch_size": 3}, 2, "does not split"),
+    ({"batch_size": 2, "micro_batches": 2}, 2, "does not split"),
+    ({"warmup": -1}, 2, "--warmup"),
+])
+def test_bad_input_names_the_fix(kw, world, message):
+    with pytest.raises(GemsError, match=message):
+        BenchConfig(**kw).validate(world)
+
+
+def command() -> list:
+    """The installed console script, or the module before setup.py lists gems-bench."""
+    return [BENCH] if BENCH.exists() else ["-m", "gems.cli.bench"]
+
+
+def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_mpi(2, *command(), "--model", TINY, "--image-size", "32", "--batch-size", "2", "--steps", "2",
+                     "--warmup", "1", "--json", out, "--trace-dir", tmp_path / "traces", timeout=120)
+    table = result.stdout
+    for name in ("mp", "gpipe", "1f1b", "mast", "reference", "simulator", "physical limit"):
+        assert name in table, table
+    report = json.loads(out.read_text())
+    assert set(report) >= {"config", "world", "stages", "groups", "threads", "network", "reference", "schedules"}
+    assert report["world"] == 2 and report["threads"] == 1
+    assert list(report["schedules"]) == ["mp", "gpipe", "1f1b", "mast"]
+    expected_m = {"mp": 1, "gpipe": 2, "1f1b": 2, "mast": 1}
+    for name, r in report["schedules"].items():
+        assert r["micro_batches"] == expected_m[name]
+        assert r["micro_batch_size"] == (2 if name == "mp" else 1)
+        for key in ("step_time", "images_per_s", "ratio_to_mp", "efficiency", "predicted_step_time",
+                    "optimizer_time"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
+        assert -1.0 < r["bubble"] < 1.0 and math.isfinite(r["simulator_error"])
+        assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
+        assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2 and min(r["peak_memory"]) > 0
+        trace = json.loads((tmp_path / "traces" / f"{name}.json").read_text())
+        assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert report["schedules"]["mp"]["ratio_to_mp"] == 1.0
+    assert report["reference"]["images_per_s"] > 0
+
+
+def test_bad_flag_value_is_one_line_and_exit_2():
+    result = subprocess.run([sys.executable, "-m", "gems.cli.bench", "--schedules", "mp,zigzag"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("gems-bench: error: --schedules")
