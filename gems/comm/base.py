@@ -143,6 +143,20 @@ def local_device(device: torch.device, local_rank: int) -> torch.device:
     return device
 
 
+def placement(world, device: torch.device) -> tuple[int, int, int, int, torch.device]:
+    """(rank, size, local rank, local size, device) of this process in the MPI ``world``
+    communicator; "local" = the ranks sharing this node. Makes the device current on CUDA."""
+    from mpi4py import MPI  # noqa: PLC0415 - base stays importable without an MPI library
+
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    device = local_device(device, local.rank)
+    where = (world.rank, world.size, local.rank, local.size, device)
+    local.Free()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return where
+
+
 def failure_line(rank: int, exc: BaseException) -> str:
     """The one line a failing rank prints: ``gems: rank R failed: Type: message``."""
     message = " ".join(str(exc).split())

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 from torch import Tensor
 
-from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, local_device, message_tag
+from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, message_tag, placement
 from gems.errors import GemsError
 
 
@@ -63,12 +63,7 @@ class MPIComm(Comm):
 
     def __init__(self, device: torch.device, timeout: float, backoff: Backoff) -> None:
         world = MPI.COMM_WORLD
-        local = world.Split_type(MPI.COMM_TYPE_SHARED)
-        device = local_device(device, local.rank)
-        super().__init__(world.rank, world.size, local.rank, local.size, device, timeout, backoff)
-        local.Free()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        super().__init__(*placement(world, device), timeout, backoff)
         self._comm = world.Dup()
         self._tag_ub: int = world.Get_attr(MPI.TAG_UB)
         self._cuda_aware = cuda_aware()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch import Tensor
 
-from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, local_device, message_tag
+from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, message_tag, placement
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings
@@ -101,12 +101,8 @@ class TorchComm(Comm):
             raise GemsError("torch.distributed is already initialised; create one 'torch' "
                             "communicator per process")
         world = MPI.COMM_WORLD
-        local = world.Split_type(MPI.COMM_TYPE_SHARED)
-        device = local_device(device, local.rank)
-        super().__init__(world.rank, world.size, local.rank, local.size, device, timeout, backoff)
-        local.Free()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        super().__init__(*placement(world, device), timeout, backoff)
+        if self.device.type == "cuda":
             backend = "cpu:gloo,cuda:nccl"  # gloo still carries CPU tensors (allgather_object)
         else:
             backend = "gloo"
