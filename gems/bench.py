@@ -40,12 +40,9 @@ from torch import nn
 from gems import memory, models, partition, simulate
 from gems import schedule as sch
 from gems import trace
+from gems.config import opt
 from gems.errors import GemsError
 from gems.units import format_size
-
-
-def opt(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass

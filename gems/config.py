@@ -6,12 +6,13 @@ Every field carries its help text; ``gems.cli.train`` turns the fields into flag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from gems.errors import GemsError
 
 
 def opt(default, help: str, **kw):
+    """A dataclass field carrying its --help text (and argparse extras such as choices)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -85,8 +86,3 @@ class TrainConfig:
         if self.trace_png:
             from gems.trace import require_matplotlib  # noqa: PLC0415
             require_matplotlib()
-
-
-def config_fields():
-    """The dataclass fields, in declaration order (for building the CLI)."""
-    return fields(TrainConfig)

@@ -8,7 +8,9 @@ Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from collections.abc import Callable
 
 from gems.errors import GemsError
@@ -27,6 +29,25 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     reported in one line with exit status 2."""
     return _Parser(prog=prog, description=description,
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def dataclass_parser(prog: str, description: str, config: type) -> argparse.ArgumentParser:
+    """A parser with one flag per field of the ``config`` dataclass (``batch_size`` ->
+    ``--batch-size``): type, default, choices and help come from the field (see gems.config.opt);
+    booleans get ``--x/--no-x``."""
+    p = parser(prog, description)
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = hints[f.name]
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        p.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
+                       help=f.metadata["help"])
+    return p
 
 
 def checked(convert: Callable[[str], object]) -> Callable[[str], object]:
@@ -54,3 +75,21 @@ def run(prog: str, body: Callable[[], int | None]) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return 0 if status is None else int(status)
+
+
+def setup_on_every_rank(prog: str, comm, setup: Callable[[], object]) -> object:
+    """Run ``setup`` (which must not communicate) on every rank, then agree on the outcome:
+    if it raised GemsError on any rank, rank 0 prints the first message once (naming the rank
+    when not all failed) and every rank exits with status 2; otherwise return its result."""
+    try:
+        result, error = setup(), None
+    except GemsError as e:
+        result, error = None, str(e)
+    failed = [(rank, e) for rank, e in enumerate(comm.allgather_object(error)) if e is not None]
+    if failed:
+        if comm.rank == 0:
+            rank, message = failed[0]
+            where = "" if len(failed) == comm.size else f" (rank {rank})"
+            print(f"{prog}: error{where}: {message}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR)
+    return result

@@ -11,32 +11,15 @@ fraction, the simulator's prediction from the measured stage times, and peak mem
 """
 from __future__ import annotations
 
-import argparse
-import sys
-import typing
-from dataclasses import MISSING, fields
 
 from gems.bench import BenchConfig
-from gems.cli import USER_ERROR, parser
-from gems.errors import GemsError
-
-
-def _argument_parser() -> argparse.ArgumentParser:
-    p = parser("gems-bench", "Benchmark pipeline schedules against each other and one unpartitioned rank.")
-    hints = typing.get_type_hints(BenchConfig)
-    for f in fields(BenchConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        if hints[f.name] is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
-            continue
-        base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
-        p.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"), help=f.metadata["help"])
-    return p
+from gems.cli import dataclass_parser, setup_on_every_rank
 
 
 def parse(argv: list[str] | None = None) -> BenchConfig:
-    return BenchConfig(**vars(_argument_parser().parse_args(argv)))
+    p = dataclass_parser("gems-bench", "Benchmark pipeline schedules against each other and one "
+                                       "unpartitioned rank.", BenchConfig)
+    return BenchConfig(**vars(p.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,16 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
     comm_lib.configure_threads(comm)
-    # Input errors are found on every rank before any collective, so all ranks agree to stop.
-    try:
-        cfg.validate(comm.size)
-        error = None
-    except GemsError as e:
-        error = str(e)
-    if error is not None:
-        if comm.rank == 0:
-            print(f"gems-bench: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR)
+    setup_on_every_rank("gems-bench", comm, lambda: cfg.validate(comm.size))
     with comm.guard():
         report = bench.run(cfg, comm)
         if report is not None:
