@@ -80,3 +80,13 @@ def test_gems_train_writes_a_trace_with_every_action_of_the_schedule(tmp_path):
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
     if trace.have_matplotlib():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_png_without_matplotlib_is_a_user_error(monkeypatch):
+    from gems.config import TrainConfig
+    from gems.errors import GemsError
+
+    monkeypatch.setattr(trace, "have_matplotlib", lambda: False)
+    with pytest.raises(GemsError, match="matplotlib"):
+        TrainConfig(trace_png="run.png").validate()
+    TrainConfig(trace="run.json").validate()   # the JSON trace needs nothing extra
