@@ -160,4 +160,4 @@ def test_hung_rank_is_ended_by_the_timeout(run_mpi):
     assert gems_lines(result.stderr) == [
         "gems: rank 0 failed: CommTimeout: rank 0 waited 2.0s for a message from the failing rank "
         "(recv from rank 1, tag 1); that rank failed or hangs, or the ranks disagree on the "
-        "schedule (the timeout is 2s)"]
+        "schedule (the timeout is 2s)"], result.tail()

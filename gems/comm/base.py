@@ -157,6 +157,9 @@ def placement(world, device: torch.device) -> tuple[int, int, int, int, torch.de
     return where
 
 
+ABORT_GRACE = 0.5  # seconds between printing the failure and aborting the job
+
+
 def failure_line(rank: int, exc: BaseException) -> str:
     """The one line a failing rank prints: ``gems: rank R failed: Type: message``."""
     message = " ".join(str(exc).split())
@@ -290,6 +293,10 @@ class Comm:
         if os.environ.get("GEMS_DEBUG") == "1":
             traceback.print_exception(exc, file=sys.stderr)
         print(failure_line(self.rank, exc), file=sys.stderr, flush=True)
+        # The launcher forwards our stderr through a pipe; MPI_Abort tears the job down at
+        # once, and on a loaded node it can do so before the line was forwarded. A moment's
+        # grace costs nothing next to a failed job and keeps the one line users need.
+        time.sleep(ABORT_GRACE)
         self.abort(code)
 
     def __repr__(self) -> str:
