@@ -31,6 +31,10 @@ class TrainConfig:
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
     memory_budget: str | None = opt(None, "per-device memory budget, e.g. 40GiB")
+    recompute: str = opt("none", "activation recomputation per stage: none, auto (only where the budget "
+                         "needs it) or all", choices=("none", "auto", "all"))
+    offload: str = opt("none", "saved activations to host memory per stage: none, auto or all",
+                       choices=("none", "auto", "all"))
     # data
     data: str = opt("synthetic", "'synthetic' or the root of an ImageFolder tree")
     workers: int = opt(2, "data loading processes per rank that reads images")
@@ -77,8 +81,9 @@ class TrainConfig:
         if min(self.checkpoint_every, self.keep_checkpoints, self.warmup_steps, self.workers) < 0:
             raise GemsError("--checkpoint-every, --keep-checkpoints, --warmup-steps and --workers "
                             "cannot be negative")
-        if self.plan and (self.balance or self.memory_budget):
-            raise GemsError("--plan already fixes the cut points: drop --balance / --memory-budget")
+        if self.plan and (self.balance or self.memory_budget or self.recompute != "none" or self.offload != "none"):
+            raise GemsError("--plan already fixes the cut points and policies: drop --balance / --memory-budget / "
+                            "--recompute / --offload")
         if self.lr <= 0 or self.timeout <= 0:
             raise GemsError("--lr and --timeout must be positive")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:

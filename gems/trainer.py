@@ -46,7 +46,7 @@ def make_optimizer(cfg: TrainConfig):
                                           weight_decay=cfg.weight_decay)
 
 
-def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int):
+def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu"):
     if cfg.plan:
         plan = partition.Plan.from_json(cfg.plan)
         wanted = {"stages": cfg.stages, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
@@ -70,7 +70,8 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int):
                           stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
                           balance_by=cfg.balance_by, balance=balance, optimizer=cfg.optimizer,
                           memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
-                          groups=groups, model_name=cfg.model)
+                          groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
+                          device=device)
 
 
 def split_line(cfg: TrainConfig, topo: Topology) -> str:
@@ -129,7 +130,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                      workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=data.num_classes)
-    plan = make_plan(cfg, model, topo.groups)
+    plan = make_plan(cfg, model, topo.groups, comm.device.type)
     if comm.rank == 0:
         print(f"gems-train: {split_line(cfg, topo)}", flush=True)
     if cfg.dry_run:

@@ -13,11 +13,11 @@ Note: the name ``plan`` in this package is the function; the dataclass module is
 ``gems.partition.plan`` only through ``from gems.partition.plan import ...``.
 """
 from .measure import measure_times
-from .plan import Plan, PositionEstimate, StageEstimate
+from .plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .profile import OPTIMIZER_STATE, ModelProfile, UnitProfile, profile
 from .costs import BALANCE_BY, CostModel
 from .solver import Solution, cuts_from_balance, solve
 from .planner import plan
 
-__all__ = ["plan", "Plan", "StageEstimate", "PositionEstimate", "profile", "ModelProfile", "UnitProfile",
+__all__ = ["plan", "Plan", "StageEstimate", "PositionEstimate", "StagePolicy", "profile", "ModelProfile", "UnitProfile",
            "measure_times", "solve", "Solution", "cuts_from_balance", "CostModel", "BALANCE_BY", "OPTIMIZER_STATE"]

@@ -18,6 +18,28 @@ from gems.units import format_size
 
 
 @dataclass
+class StagePolicy:
+    """How one stage trades time for memory (applied by the engine, chosen by the planner).
+
+    ``recompute``: checkpoint segments, each ``[first_unit, end_unit)`` in the model's unit
+    indices, inside the stage, increasing and disjoint; a segment keeps only its input for
+    backward and re-runs its forward then (``torch.utils.checkpoint``, non-reentrant). One
+    segment per unit is per-unit recomputation; units in no segment keep their activations.
+    ``offload``: tensors the stage saves for backward (after recomputation, only what is
+    still saved) go to host memory and come back before the backward.
+    """
+
+    recompute: list[list[int]] = field(default_factory=list)
+    offload: bool = False
+
+    @property
+    def kind(self) -> str:
+        """"none", "recompute", "offload" or "recompute+offload", for tables."""
+        parts = [name for name, on in (("recompute", bool(self.recompute)), ("offload", self.offload)) if on]
+        return "+".join(parts) or "none"
+
+
+@dataclass
 class StageEstimate:
     """One stage = units [first_unit, end_unit). Activation and boundary bytes per micro-batch."""
 
@@ -88,6 +110,11 @@ class Plan:
     fits: bool | None = None              # None without a memory budget
     smallest_fitting_stages: int | None = None   # when it does not fit: the least K that would
     notes: list[str] = field(default_factory=list)
+    policies: list[StagePolicy] = field(default_factory=list)   # per stage; empty = none everywhere
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            self.policies = [StagePolicy() for _ in range(self.stages)]
 
     @property
     def balance(self) -> list[int]:
@@ -128,6 +155,7 @@ class Plan:
             data["input_shape"] = tuple(data["input_shape"])
             data["stage_output_shapes"] = [[tuple(s) for s in stage] for stage in data["stage_output_shapes"]]
             data["stage_estimates"] = [StageEstimate(**s) for s in data["stage_estimates"]]
+            data["policies"] = [StagePolicy(**p) for p in data.get("policies", [])]
             data["positions"] = [PositionEstimate(**{**p, "in_flight": {int(k): v for k, v in p["in_flight"].items()}})
                                  for p in data["positions"]]
             known = {f.name for f in fields(cls)}
@@ -147,6 +175,15 @@ class Plan:
         if not ok:
             raise GemsError(f"the plan's cuts {self.cuts} do not split its {n} units into {K} non-empty stages: "
                             f"use {K + 1} increasing cut points from 0 to {n}")
+        if len(self.policies) != K:
+            raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
+        for s, policy in enumerate(self.policies):
+            lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
+            for seg in policy.recompute:
+                if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and end <= seg[0] < seg[1] <= hi):
+                    raise GemsError(f"stage {s} recompute segment {seg} is not an increasing [first, end) unit range "
+                                    f"inside the stage's units [{lo}, {hi}): fix the plan's policies")
+                end = seg[1]
 
     # -- people ----------------------------------------------------------------------
     def table(self) -> str:

@@ -22,12 +22,15 @@ from .plan import Plan, PositionEstimate, StageEstimate
 from .profile import OPTIMIZER_STATE, ModelProfile, profile
 from .solver import cuts_from_balance, evaluate, solve
 
+POLICY_MODES = ("none", "auto", "all")
+
 
 def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stages: int,
          schedule: str = "mast", micro_batches: int = 1, balance_by: str = "memory",
          memory_budget: int | str | None = None, balance: Sequence[int] | None = None,
          optimizer: str = "sgd", dtype: torch.dtype | str = torch.float32, groups: int = 1,
-         model_name: str | None = None, unit_times: Sequence[float] | None = None) -> Plan:
+         model_name: str | None = None, unit_times: Sequence[float] | None = None,
+         recompute: str = "none", offload: str = "none", device: str = "cuda") -> Plan:
     """Cut ``model`` (an nn.Sequential of units) into ``stages`` stages for ``schedule``.
 
     ``input_shape`` is one sample's shape (e.g. (3, 2048, 2048)); ``batch_size`` the images
@@ -36,7 +39,10 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     ``memory_budget`` (bytes or "40GiB") sets ``fits`` and, when it does not fit, the smallest
     stage count that would. ``unit_times`` (seconds per unit for one micro-batch, forward +
     backward, e.g. from ``measure_times``) makes ``balance_by="time"`` use measurements
-    instead of FLOPs. Raises GemsError naming the fix for any unusable input.
+    instead of FLOPs. ``recompute`` / ``offload`` ("none", "auto", "all") choose per-stage
+    memory policies (``auto``: only where ``memory_budget`` needs them); ``device`` ("cuda" or
+    "cpu") is where stages run: offloading from a CPU device to host memory saves nothing.
+    Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
     if not isinstance(model, nn.Sequential) or len(model) == 0:
@@ -58,6 +64,11 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     if batch_size % split:
         raise GemsError(f"batch size {batch_size} does not split into {groups} group(s) x {replicas} replica(s) x "
                         f"{m} micro-batch(es): use a multiple of {split}")
+    for flag, value in (("recompute", recompute), ("offload", offload)):
+        if value not in POLICY_MODES:
+            raise GemsError(f"--{flag} must be one of {', '.join(POLICY_MODES)}, got {value!r}")
+    if device not in ("cuda", "cpu"):
+        raise GemsError(f"the device to plan for must be 'cuda' or 'cpu', got {device!r}")
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")
