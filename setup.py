@@ -14,7 +14,7 @@ setup(
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "matplotlib"],
         # --trace-png draws timelines with matplotlib
         "plot": ["matplotlib"],
     },
