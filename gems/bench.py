@@ -11,8 +11,12 @@ once, and reports medians over the measured steps:
                   same batch, on rank 0, with the threads one rank uses (the others wait)
     bubble        1 - busy / (ranks x step time); busy = forward + backward + optimizer
                   time from the engine timelines
-    memory        peak per rank as measured (``gems.memory``, reset before each schedule)
-                  and as the plan estimated
+    memory        peak tensor bytes per rank over one more, untimed step (``gems.memory.PeakMeter``:
+                  CUDA max allocated; CPU what the rank holds at the step's start -- its
+                  stages, gradient bucket, optimizer state and, on a first stage, its
+                  images -- plus the CPU allocator's high-water mark during the step),
+                  beside the plan's estimate for its position and the estimate's error;
+                  the reference's beside the estimate of a one-stage plan
     simulator     ``gems.simulate`` replaying the schedule with per-stage forward/backward
                   times measured from the same timelines (medians per stage), a network
                   measured by ping-pong between ranks 0 and 1, and the measured optimizer
@@ -30,7 +34,6 @@ import json
 import os
 import statistics
 import time
-from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -118,16 +121,6 @@ def synthetic_batch(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return images, torch.randint(0, cfg.num_classes, (cfg.batch_size,), generator=g)
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Restart the peak that ``gems.memory.peak_bytes`` reports (Linux: /proc/self/clear_refs
-    resets the peak resident set size), so each schedule's peak is its own."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
 def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
     """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
     (its polling waits included, as the engine sees them); free communication on one rank."""
@@ -161,19 +154,28 @@ def reference(model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor, 
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     x, y = images.to(device), labels.to(device)
-    reset_peak_memory(device)
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        start = time.perf_counter()
+
+    def train_step() -> None:
         optimizer.zero_grad(set_to_none=False)
         loss_fn(model(x), y).backward()
         optimizer.step()
+
+    times = []
+    for _ in range(cfg.warmup + cfg.steps):
+        start = time.perf_counter()
+        train_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+    meter = memory.PeakMeter(device)
+    meter.start(memory.training_tensors([model], optimizer, x))
+    train_step()
+    peak = meter.stop()
     step = statistics.median(times[cfg.warmup:])
-    return {"step_time": step, "images_per_s": cfg.batch_size / step, "peak_memory": memory.peak_bytes(device),
-            "threads": torch.get_num_threads()}
+    estimate = partition.plan(model, tuple(x.shape[1:]), cfg.batch_size, 1, "mp", balance_by=cfg.balance_by,
+                              model_name=cfg.model).positions[0].peak_bytes
+    return {"step_time": step, "images_per_s": cfg.batch_size / step, "peak_memory": peak,
+            "plan_memory": estimate, "threads": torch.get_num_threads()}
 
 
 @dataclass
@@ -222,16 +224,19 @@ def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: 
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
                     loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)
+    mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
     comm.barrier()
-    reset_peak_memory(engine.device)
     times = []
     for step in range(cfg.warmup + cfg.steps):
         start = time.perf_counter()
-        engine.step(images, labels)
+        engine.step(mine, labels)
         times.append(time.perf_counter() - start)
         if step >= cfg.warmup:
             recorder.record(step - cfg.warmup + 1)
-    peak = memory.peak_bytes(engine.device)
+    meter = memory.PeakMeter(engine.device)   # on one more step: its overhead stays out of the timings
+    meter.start(memory.engine_tensors(engine) + ([mine] if engine.needs_images else []))
+    engine.step(mine, labels)
+    peak = meter.stop()
     gathered = comm.allgather_object((recorder.timeline, times[cfg.warmup:], peak))
     ranks = [g[0] for g in gathered]
     if cfg.trace_dir and comm.rank == 0:
@@ -338,15 +343,19 @@ def table(report: dict) -> str:
                      _ms(r["optimizer_time"]), _ms(r["predicted_step_time"]), _ms(r["step_time"]),
                      f"{r['simulator_error']:+.1%}"])
     lines += _grid(rows)
-    lines += ["", f"peak memory per rank, measured ({report['memory_kind']}) / plan estimate"]
+    lines += ["", f"peak memory per rank over one more step, measured ({report['memory_kind']}) / plan estimate "
+                  "(the estimate's error)"]
     rows = [["schedule", *(f"rank {i}" for i in range(W))]]
     for r in report["schedules"].values():
-        rows.append([r["schedule"], *(f"{format_size(a)} / {format_size(b)}"
-                                      for a, b in zip(r["peak_memory"], r["plan_memory"]))])
+        rows.append([r["schedule"], *(_memory_cell(a, b) for a, b in zip(r["peak_memory"], r["plan_memory"]))])
     if ref:
-        rows.append(["reference", format_size(ref["peak_memory"]), *(["-"] * (W - 1))])
+        rows.append(["reference", _memory_cell(ref["peak_memory"], ref["plan_memory"]), *(["-"] * (W - 1))])
     lines += _grid(rows)
     return "\n".join(lines)
+
+
+def _memory_cell(measured: int, estimated: int) -> str:
+    return f"{format_size(measured)} / {format_size(estimated)} ({memory.estimate_error(measured, estimated)})"
 
 
 def _grid(rows: list[list[str]]) -> list[str]:

@@ -6,9 +6,18 @@ Every field carries its help text; ``gems.cli.train`` turns the fields into flag
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gems.errors import GemsError
+
+
+# Beyond these, torch's tensor sizes (64-bit element counts) overflow while the model is built or
+# profiled: a global batch of input elements (images x channels x pixels) leaves room for
+# activations a thousand times wider (2**52 float32 elements are 16 PiB); ImageNet-21k has
+# 21,841 classes.
+MAX_INPUT_ELEMENTS = 2**52
+MAX_CLASSES = 2**24
 
 
 def opt(default, help: str, **kw):
@@ -31,6 +40,9 @@ class TrainConfig:
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
     memory_budget: str | None = opt(None, "per-device memory budget, e.g. 40GiB")
+    enforce_memory_budget: bool = opt(False, "make the plan's budget a hard limit per rank (CPU: RLIMIT_DATA "
+                                      "above the start-up memory; CUDA: the caching allocator's cap), so "
+                                      "exceeding it stops the job with what to change")
     recompute: str = opt("none", "activation recomputation per stage: none, auto (only where the budget "
                          "needs it) or all", choices=("none", "auto", "all"))
     offload: str = opt("none", "saved activations to host memory per stage: none, auto or all",
@@ -70,6 +82,12 @@ class TrainConfig:
         for name in ("num_classes", "image_size", "batch_size", "stages", "micro_batches"):
             if getattr(self, name) < 1:
                 raise GemsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.batch_size * 3 * self.image_size ** 2 > MAX_INPUT_ELEMENTS or self.num_classes > MAX_CLASSES:
+            raise GemsError(f"a batch of {self.batch_size} images of {self.image_size}x{self.image_size} pixels or "
+                            f"{self.num_classes} classes is beyond torch's tensor sizes: use a smaller --batch-size "
+                            f"or --image-size, and at most {MAX_CLASSES} classes")
+        if not -2**63 <= self.seed < 2**63:
+            raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
         if self.steps is not None and self.epochs is not None:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
@@ -84,10 +102,12 @@ class TrainConfig:
         if self.plan and (self.balance or self.memory_budget or self.recompute != "none" or self.offload != "none"):
             raise GemsError("--plan already fixes the cut points and policies: drop --balance / --memory-budget / "
                             "--recompute / --offload")
-        if self.lr <= 0 or self.timeout <= 0:
-            raise GemsError("--lr and --timeout must be positive")
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise GemsError("--clip-grad-norm must be positive")
+        if not (0 < self.lr < math.inf and self.timeout > 0):  # also refuses nan
+            raise GemsError("--lr and --timeout must be positive (and --lr finite)")
+        if not (0 <= self.momentum < math.inf and 0 <= self.weight_decay < math.inf):
+            raise GemsError("--momentum and --weight-decay must be finite and not negative")
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
+            raise GemsError("--clip-grad-norm must be positive and finite")
         if self.trace_png:
             from gems.trace import require_matplotlib  # noqa: PLC0415
             require_matplotlib()

@@ -5,7 +5,8 @@ Every rank builds the whole ``nn.Sequential``, keeps the stages its position hol
 keys) and executes ``gems.schedule.schedule(plan.schedule, K, m)[position]`` each step:
 
 - forward: stage input is the data (stage 0) or a pre-posted receive; received tensors
-  get ``requires_grad`` so their gradient can be sent upstream; the output is sent
+  get ``requires_grad`` so their gradient can be sent upstream; the stage runs under its
+  memory policy (``plan.policies``: recompute, offload; see ``gems.policies``); the output is sent
   downstream, or, on the last stage, the loss is computed and scaled by
   ``micro_batch / global_batch`` so that summed gradients are those of the mean loss
   over the global batch;
@@ -32,17 +33,14 @@ from torch import nn
 
 from gems import comm as comm_lib
 from gems import schedule as sch
-from gems.errors import GemsError
-from gems.models import as_tuple
+from gems.errors import GemsError, OutOfMemory, describe_action, is_out_of_memory
+from gems.partition.plan import StagePolicy
+from gems.policies import StageRunner
+from gems.policies import unpack as _unpack
 from gems.timing import ActionTimer
 from gems.topology import Topology
 
 _KINDS = {"act": 0, "grad": 1}
-
-
-def _unpack(xs: tuple[torch.Tensor, ...]):
-    """The value a unit takes: a tensor, or a tuple when the boundary carries several."""
-    return xs[0] if len(xs) == 1 else xs
 
 
 class Engine:
@@ -101,6 +99,8 @@ class Engine:
         self._model_keys = list(model.state_dict().keys())
         self.stages: dict[int, nn.Sequential] = {
             s: model[plan.cuts[s]:plan.cuts[s + 1]].to(self.device) for s in self.topology.holds(self.position)}
+        self._runners = self._policy_runners()
+        self._waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
         self.sync = self._sync_group()
         self._make_identical()
         self._make_bucket()
@@ -120,6 +120,16 @@ class Engine:
         self.timer = ActionTimer(self.device)
 
     # ---------------------------------------------------------------- setup
+    def _policy_runners(self) -> dict[int, StageRunner]:
+        """One runner per stage held, applying ``plan.policies`` (none when the plan has none)."""
+        policies = getattr(self.plan, "policies", None)
+        if policies:
+            self.plan.check()   # one policy per stage, segments inside their stage
+        else:
+            policies = [StagePolicy() for _ in range(self.K)]
+        return {s: StageRunner(module, self.plan.cuts[s], policies[s], self.device)
+                for s, module in self.stages.items()}
+
     def _sync_group(self):
         """This rank's sync group, or None when it syncs with nobody."""
         mine = None
@@ -190,13 +200,21 @@ class Engine:
         self._loss.zero_()
         self._gather_stats(self._stats_before)  # restored if the step turns out not finite
         self._posted, self._consumed = {}, 0
-        self._post()
         timer, now = self.timer, self.timer.now
-        timer.begin_step()
-        for a in self.actions:
-            start = now()
-            self._run[a.op](a)
-            timer.span(str(a), start, now())
+        a = None
+        try:
+            self._post()
+            timer.begin_step()
+            for a in self.actions:
+                start = now()
+                self._run[a.op](a)
+                timer.span(str(a), start, now())
+        except Exception as exc:  # an allocator's failure becomes a message naming the fix
+            if not is_out_of_memory(exc):
+                raise
+            where = describe_action(a) if a is not None else "posting the first receives"
+            raise OutOfMemory(self.comm.rank, self.device.type.upper(), where, self.plan, self.position,
+                              exc) from exc
         return float(self._scalars[0])
 
     def timeline(self) -> list[tuple[str, float, float]]:
@@ -259,17 +277,19 @@ class Engine:
             for t in inputs:
                 if t.is_floating_point():
                     t.requires_grad_(True)
+        key = (a.replica, a.micro, a.stage)
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            out = as_tuple(self.stages[a.stage](_unpack(inputs)))
+            out = self._runners[a.stage].forward(inputs, key, key in self._waiting)
         if a.stage == self.K - 1:
             labels = self._labels[rows].to(self.device, non_blocking=True)
             loss = self.loss_fn(_unpack(out), labels) * self._scale
             self._loss += loss.detach()
             out = (loss,)
-        self._stash[(a.replica, a.micro, a.stage)] = (inputs, out)
+        self._stash[key] = (inputs, out)
 
     def _backward(self, a: sch.Action) -> None:
         inputs, out = self._stash.pop((a.replica, a.micro, a.stage))
+        self._runners[a.stage].prefetch((a.replica, a.micro, a.stage))
         if a.stage == self.K - 1:
             torch.autograd.backward(out)
         else:

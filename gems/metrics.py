@@ -1,12 +1,20 @@
 """Per-step progress (tqdm on rank 0), JSON-lines metrics and the end-of-run summary.
 
 Each step, one small world allreduce gathers what rank 0 reports: whether any rank caught
-a stop signal, corrupt images skipped, and every rank's peak memory.
+a stop signal, corrupt images skipped, and every rank's process peak memory (CUDA: max
+allocated; CPU: peak resident set size) for the JSON lines.
+
+The summary sets each rank's measured tensor peak beside the plan's estimate for its
+position: a ``gems.memory.PeakMeter`` opens at the end of the step before the last one
+(before the first step when only one is run) and closes at the last step's report, taking
+the peak over that step alone (what it holds from its start, the batch included); the
+memory of the data loading and checkpointing before it does not count.
 """
 from __future__ import annotations
 
 import json
 import statistics
+import time
 
 import torch
 from tqdm import tqdm
@@ -21,11 +29,14 @@ class Metrics:
         self.rank0 = comm.rank == 0
         self.times: list[float] = []
         self.losses: list[float] = []
-        self.peaks = [0] * comm.size
+        self.peaks = [0] * comm.size       # process peak per rank (JSON lines)
+        self.measured = [0] * comm.size    # tensor peak of the last step per rank (summary)
         self.skipped = 0
+        self.total = total
         self._vec = torch.zeros(2 + 2 * comm.size, dtype=torch.float64)
-        self._base = memory.current_bytes(engine.device)  # in use before the first step
-        self.bases = [0] * comm.size
+        self.meter = memory.PeakMeter(engine.device)
+        if start + 1 == total:
+            self.meter.start(memory.engine_tensors(engine))
         self.bar = tqdm(total=total, initial=start, desc="gems-train", unit="step", dynamic_ncols=True,
                         disable=not (self.rank0 and cfg.progress))
         self.file = None
@@ -39,12 +50,14 @@ class Metrics:
         v[0] = 1.0 if caught else 0.0
         v[1] = skipped if self.engine.needs_images and self.engine.position == min(self.engine.stages) else 0
         W = self.comm.size
-        v[2 + self.comm.rank] = memory.peak_bytes(self.engine.device)
-        v[2 + W + self.comm.rank] = self._base
+        if step == self.total:
+            v[2 + W + self.comm.rank] = self.meter.stop(since=time.time() - seconds)
+        v[2 + self.comm.rank] = memory.process_peak_bytes(self.engine.device)
         self.comm.allreduce(v, None, "the metrics allreduce")
         self.skipped = int(v[1])
         self.peaks = [int(x) for x in v[2:2 + W]]
-        self.bases = [int(x) for x in v[2 + W:]]
+        if step == self.total:
+            self.measured = [int(x) for x in v[2 + W:]]
         self.times.append(seconds)
         self.losses.append(loss)
         images_per_s = self.cfg.batch_size / seconds
@@ -56,6 +69,8 @@ class Metrics:
             self.file.flush()
         self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.2f}", step_s=f"{seconds:.2f}")
         self.bar.update(1)
+        if step + 1 == self.total:
+            self.meter.start(memory.engine_tensors(self.engine))
         return bool(v[0])
 
     def note(self, text: str) -> None:
@@ -63,6 +78,7 @@ class Metrics:
             (self.bar.write if not self.bar.disable else print)(f"gems-train: {text}")
 
     def close(self) -> None:
+        self.meter.close()
         self.bar.close()
         if self.file:
             self.file.close()
@@ -71,22 +87,25 @@ class Metrics:
     def summary(self) -> None:
         if not self.rank0:
             return
-        steady = self.times[1:] or self.times  # the first step pays for warm-up
+        # The first step pays for warm-up, the last for the memory meter (~10% on small ops).
+        few = len(self.times) <= 2
+        steady = self.times[-1:] if few else self.times[1:-1]
         median = statistics.median(steady) if steady else float("nan")
         lines = [
             "gems-train: summary",
             f"  steps run        {len(self.times)}  (final loss {self.losses[-1]:.4f})" if self.losses else
             "  steps run        0",
-            f"  step time        {median:.3f} s median (first step excluded)",
+            f"  step time        {median:.3f} s " + ("(the last step)" if few else
+                                                   "median (first and last, memory-metered, steps left out)"),
             f"  throughput       {self.cfg.batch_size / median:.2f} images/s",
             f"  skipped images   {self.skipped}",
-            f"  peak memory per rank ({memory.kind(self.engine.device)}) vs plan estimate:",
+            f"  peak memory per rank over the last step ({memory.kind(self.engine.device)}) vs plan estimate:",
         ]
         K = self.plan.stages
-        for rank, peak in enumerate(self.peaks):
+        for rank, (measured, process) in enumerate(zip(self.measured, self.peaks)):
             estimate = self.plan.positions[rank % K].peak_bytes
-            lines.append(f"    rank {rank} (position {rank % K}): {format_size(peak)} measured "
-                         f"({format_size(max(0, peak - self.bases[rank]))} above the start of training), "
-                         f"{format_size(estimate)} estimated")
+            lines.append(f"    rank {rank} (position {rank % K}): {format_size(measured)} measured, "
+                         f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
+                         f"process peak {format_size(process)}")
         lines.append("gems-train: done")
         print("\n".join(lines), flush=True)

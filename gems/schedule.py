@@ -289,6 +289,20 @@ def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
     return peaks
 
 
+def waiting_forwards(actions: list[Action]) -> list[Action]:
+    """The forwards of one position's list whose activations wait across other compute.
+
+    A forward *waits* unless the next compute action after it (forward or backward;
+    messages, sync and step do not count) is the backward of the same replica, micro-batch
+    and stage. Memory policies (``gems.policies``) apply in full to waiting forwards only:
+    the activations of the others are needed at once, so storing them cheaply saves nothing.
+    """
+    compute = [a for a in actions if a.op in COMPUTE]
+    return [a for a, after in zip(compute, compute[1:] + [None]) if a.op == FORWARD and not (
+        after is not None and after.op == BACKWARD and (after.replica, after.micro, after.stage)
+        == (a.replica, a.micro, a.stage))]
+
+
 def describe(lists: list[list[Action]]) -> str:
     """One line per position with its compute actions, e.g. ``F d0.s0  B d0.s0``."""
     lines = []

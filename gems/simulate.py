@@ -249,13 +249,18 @@ def _peak_activations(actions: list[sch.Action], activation_bytes: Sequence[int]
 
 
 def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = EFFICIENCY) -> Costs:
-    """Costs of a ``gems.partition`` Plan's stages, timing FLOPs at ``device_flops x efficiency``."""
+    """Costs of a ``gems.partition`` Plan's stages, timing FLOPs at ``device_flops x efficiency``.
+
+    The seconds a stage's memory policies add per step (``StageEstimate.extra_seconds``:
+    recomputation, exposed host copies) are spread over its backward passes, where the
+    recomputation and the copies back happen."""
     if device_flops <= 0 or not 0 < efficiency <= 1:
         raise GemsError("the device rate must be positive and the efficiency in (0, 1], e.g. 15.7e12 and 0.4")
     rate = device_flops * efficiency
     stages = plan.stage_estimates
+    runs = getattr(plan, "micro_batches", 1) * sch.replicas(getattr(plan, "schedule", "mp"))
     return Costs(forward=[s.forward_flops / rate for s in stages],
-                 backward=[s.backward_flops / rate for s in stages],
+                 backward=[s.backward_flops / rate + getattr(s, "extra_seconds", 0.0) / runs for s in stages],
                  boundary_bytes=[s.output_bytes for s in stages],
                  activation_bytes=[s.activation_bytes for s in stages],
                  static_bytes=[s.static_bytes for s in stages],
@@ -294,17 +299,19 @@ class Candidate(NamedTuple):
     groups: int
     step_time: float
     images_per_second: float
-    peak_bytes: int      # the largest position's static + peak activations
+    peak_bytes: int      # the largest position's peak: the planner's when given, else static + activations
 
 
-def sweep(costs_for: Callable[[str, int, int, int], tuple[Costs, int] | None], world: int,
+def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
           network: Network = Network(), schedules: Sequence[str] = sch.SCHEDULES,
           stages: Sequence[int] = (1, 2, 4, 8), micro_batches: Sequence[int] = (1, 2, 4, 8),
           memory_budget: int | None = None, optimizer_time: float = 0.0) -> list[Candidate]:
     """Every (schedule, K, m, D = world // K) that fits ``memory_budget``, fastest first.
 
-    ``costs_for(schedule, K, m, D)`` gives that configuration's Costs and micro-batch size
-    (e.g. from a plan made for it), or None to skip it (say, a batch that does not split).
+    ``costs_for(schedule, K, m, D)`` gives that configuration's ``(Costs, micro-batch size)``
+    or ``(Costs, micro-batch size, peak bytes)`` (e.g. from a plan made for it, whose peak
+    knows memory policies and working memory), or None to skip it (say, a batch that does
+    not split). Without a peak, the simulated static + activation peak is used.
     """
     found = []
     for name in schedules:
@@ -316,7 +323,7 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple[Costs, int] | None], w
                 if made is None:
                     continue
                 result = simulate(name, K, m, made[0], network, world // K, optimizer_time)
-                peak = max(result.peak_bytes)
+                peak = made[2] if len(made) > 2 and made[2] is not None else max(result.peak_bytes)
                 if memory_budget is None or peak <= memory_budget:
                     found.append(Candidate(name, K, m, world // K, result.step_time,
                                            result.throughput(made[1]), peak))

@@ -6,16 +6,18 @@ SIGTERM/SIGUSR1 after saving a checkpoint (Slurm preemption: requeue and ``--res
 from __future__ import annotations
 
 import math
+import resource
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from gems import checkpoint, models, partition
+from gems import checkpoint, memory, models, partition
 from gems import schedule as sch
 from gems.config import TrainConfig
 from gems.data import TrainData
@@ -23,7 +25,10 @@ from gems.errors import GemsError
 from gems.metrics import Metrics
 from gems.topology import Topology
 from gems.trace import Recorder
-from gems.units import parse_size
+from gems.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from gems.engine import Engine
 
 PREEMPTED = 3
 
@@ -56,9 +61,14 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                 raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
                                 f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
                                 "or make a new plan")
-        if plan.cuts[-1] != len(model):
-            raise GemsError(f"{cfg.plan} cuts {plan.cuts[-1]} units but {cfg.model} has {len(model)}: "
+        if plan.unit_names != [name for name, _ in model.named_children()]:
+            raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
+                            f"{cfg.model} has {_names([name for name, _ in model.named_children()])}: "
                             "make the plan for this model")
+        if tuple(plan.input_shape) != (3, cfg.image_size, cfg.image_size):
+            raise GemsError(f"{cfg.plan} was made for inputs of {'x'.join(map(str, plan.input_shape))}, not "
+                            f"3x{cfg.image_size}x{cfg.image_size}: pass the --image-size it was made for "
+                            "or make a new plan")
         return plan
     balance = None
     if cfg.balance:
@@ -72,6 +82,11 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
                           device=device)
+
+
+def _names(names: list[str]) -> str:
+    """"3 units (0..2)" for messages."""
+    return f"{len(names)} units ({names[0]}..{names[-1]})" if names else "no units"
 
 
 def split_line(cfg: TrainConfig, topo: Topology) -> str:
@@ -89,6 +104,36 @@ def check_split(cfg: TrainConfig, topo: Topology) -> None:
         raise GemsError(f"--batch-size {cfg.batch_size} does not split into {topo.groups} group(s) x "
                         f"{sch.replicas(cfg.schedule)} replica(s) x {cfg.micro_batches} micro-batch(es): "
                         f"use a multiple of {parts}")
+
+
+def enforce_memory_budget(engine: Engine, budget: int) -> None:
+    """Make ``budget`` a hard limit on this rank's memory (``--enforce-memory-budget``): an
+    allocation beyond it fails, and the engine reports the failure as ``OutOfMemory``.
+
+    CUDA: the caching allocator may reserve at most ``budget`` of the GPU, the tensors the plan
+    estimates. CPU: the soft RLIMIT_DATA becomes the process's data size now, less the tensors the
+    engine already holds (the plan's estimate counts them), plus ``budget``. RLIMIT_DATA counts
+    private writable memory (heap and anonymous mappings, where tensors live) and not shared
+    libraries, MPI's shared-memory segments or merely reserved address space, which RLIMIT_AS
+    would count; so the interpreter, torch and MPI are the baseline and the budget is left for
+    training. Set once the engine is built, so MPI and torch start unhindered; data-loading
+    workers, forked later, inherit it (Linux only). A thread started later counts its stack
+    (8 MiB, mostly untouched), and below some tens of MiB of budget oneDNN's first kernels may
+    fail, or crash, before any tensor does: the limit is meant for budgets of GiBs.
+    """
+    if engine.device.type == "cuda":
+        total = torch.cuda.get_device_properties(engine.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), engine.device)
+        return
+    try:
+        with open("/proc/self/status") as f:
+            data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration):
+        raise GemsError("--enforce-memory-budget on CPU needs Linux (/proc/self/status): "
+                        "drop the flag on this system") from None
+    limit = data - memory.storage_bytes(memory.engine_tensors(engine)) + budget
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
 class _Signals:
@@ -131,6 +176,16 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=data.num_classes)
     plan = make_plan(cfg, model, topo.groups, comm.device.type)
+    if plan.fits is False:
+        worst = max(plan.positions, key=lambda p: p.peak_bytes)
+        fixes = [f"--stages {plan.smallest_fitting_stages}"] if plan.smallest_fitting_stages else []
+        useful = ("recompute", "offload") if comm.device.type == "cuda" else ("recompute",)  # host = CPU device
+        fixes += [f"--{flag} auto" for flag in useful if getattr(cfg, flag) == "none"]
+        raise GemsError(f"the plan does not fit --memory-budget {format_size(plan.memory_budget)}: position "
+                        f"{worst.position} needs {format_size(worst.peak_bytes)}; try "
+                        + (" or ".join(fixes) if fixes else "a larger budget") + ", or a smaller batch or image")
+    if cfg.enforce_memory_budget and plan.memory_budget is None:
+        raise GemsError("--enforce-memory-budget needs --memory-budget (or a --plan made with one)")
     if comm.rank == 0:
         print(f"gems-train: {split_line(cfg, topo)}", flush=True)
     if cfg.dry_run:
@@ -141,11 +196,10 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     if cfg.checkpoint_dir:
         checkpoint.check_writable(cfg.checkpoint_dir)
         if cfg.resume:
-            found = checkpoint.complete(cfg.checkpoint_dir)
-            if not found:
-                raise GemsError(f"--resume found no complete checkpoint in {cfg.checkpoint_dir}: "
-                                "drop --resume to start fresh")
-            resume_from = found[-1]
+            resume_from, damaged = checkpoint.newest_intact(cfg.checkpoint_dir)  # the same on every rank
+            if comm.rank == 0:
+                for warning in damaged:
+                    print(f"gems-train: warning: {warning}", file=sys.stderr, flush=True)
             meta = checkpoint.read_manifest(resume_from)
             if (meta.get("model"), meta.get("num_classes")) != (cfg.model, data.num_classes):
                 raise GemsError(f"{resume_from} holds {meta.get('model')} with {meta.get('num_classes')} "
@@ -173,11 +227,14 @@ def run(job: Job) -> int:
         start = manifest["step"]
         if rank0:
             print(f"gems-train: resumed from {job.resume_from} at step {start}", flush=True)
+    job.resume_state = None  # loaded into the engine: free it before memory is measured or limited
     total = cfg.steps if cfg.steps is not None else (cfg.epochs or 1) * data.steps_per_epoch
     meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size}
     metrics = Metrics(cfg, comm, engine, plan, start, total)
     tracer = Recorder(engine, keep=3) if cfg.trace or cfg.trace_png else None
     signals = _Signals()
+    if cfg.enforce_memory_budget:  # last, so the progress bar's thread is part of the baseline
+        enforce_memory_budget(engine, plan.memory_budget)
     stream, stream_epoch = None, None
     step = start
     try:
@@ -202,7 +259,12 @@ def run(job: Job) -> int:
                 return 1
             if cfg.checkpoint_dir and (stop or step == total or
                                        (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                path = checkpoint.save(engine, cfg.checkpoint_dir, step, meta, cfg.keep_checkpoints)
+                try:
+                    path = checkpoint.save(engine, cfg.checkpoint_dir, step, meta, cfg.keep_checkpoints)
+                except checkpoint.CheckpointError as error:  # raised alike on every rank
+                    if rank0:
+                        print(f"gems-train: error: {error}", file=sys.stderr, flush=True)
+                    return 1
                 metrics.note(f"checkpoint {path}")
             if stop:
                 metrics.note(f"stopped by signal after step {step}"

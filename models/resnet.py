@@ -12,10 +12,13 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+if TYPE_CHECKING:
+    from torchvision.models.resnet import ResNet
 
 from gems.errors import GemsError
 from .checks import positive_int
@@ -57,6 +60,9 @@ def resnet(
         layers = LAYERS[depth]
     if len(layers) != 4 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers):
         raise GemsError(f"{name}: layers must be four positive block counts, e.g. [3, 4, 23, 3]; got {layers!r}.")
+    # torchvision costs seconds to import: only models that use it pay for it (every rank, every launch).
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet  # noqa: PLC0415
+
     block = BasicBlock if depth < 50 else Bottleneck
     if block is BasicBlock and (groups != 1 or width_per_group != 64):
         raise GemsError(f"{name} uses basic blocks, which support only groups=1 and width_per_group=64; "

@@ -7,14 +7,17 @@ forward/backward passes of whole models and of stages at random cut points:
 * activation bytes of a stage: the same saved_tensors_hooks on real tensors (storages by
   data pointer, each once, parameters excluded) plus the stage's input and output;
 * peak bytes of a stage's forward + backward on top of its parameters and gradients (both
-  allocated before, as from the second micro-batch of a step on): the CPU allocator's own
-  allocation and free events, recorded by the PyTorch profiler (``profile_memory=True``) and
-  replayed by ``torch.profiler._memory_profiler.MemoryProfile``. The estimate is the stage's
+  allocated before, as from the second micro-batch of a step on): the high-water mark of the
+  CPU allocator over the pass, by ``gems.memory.PeakMeter``. The estimate is the stage's
   activations plus its working memory (``ModelProfile.working_matrix``).
 
 Activations and parameters come out exact. The peak is within a few percent on whole
-models; on a few small stages oneDNN's scratch buffers (reordered copies of activations)
-exceed the allowance for kernel scratch memory by up to ~20% of a sub-MiB total.
+models at batch 2 and more. At batch 1 on small feature maps (under 20480 input elements,
+3x3 kernels) PyTorch convolves on the CPU by im2col ("Slow2d", see
+``torch._C._select_conv_backend``) instead of oneDNN: its column buffer, 9x the input,
+exceeds the profile's allowance for kernel scratch memory (one copy of the largest operand),
+up to 40% of a sub-MiB stage; where that operand is a large weight (deep ResNet layers),
+im2col reorders no weight and the allowance is a weight copy too high.
 
     GEMS_ACCURACY_SIZE=160 python -m gems.partition.accuracy     # other image size (default 64)
 """
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from gems.memory import PeakMeter
 
 from .profile import ModelProfile, profile
 
@@ -73,7 +78,7 @@ class Comparison:
     hi: int
     params: tuple[int, int]
     activations: tuple[int, int]
-    peak: tuple[int, int | None]
+    peak: tuple[int, int]
 
 
 def compare(model: nn.Sequential, input_shape: Sequence[int], batch: int, cuts: Sequence[tuple[int, int]],
@@ -134,35 +139,20 @@ def _real_activations(units: list[nn.Module], x, lo: int, hi: int) -> int:
     return sum(kept.values())
 
 
-def _real_peak(units: list[nn.Module], x, lo: int, hi: int) -> int | None:
+def _real_peak(units: list[nn.Module], x, lo: int, hi: int) -> int:
     """Peak bytes the CPU allocator holds during a real forward + backward of the stage (from
-    the input's copy to the last gradient), or None if this PyTorch cannot record it."""
-    try:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-        from torch.profiler._memory_profiler import Action, MemoryProfile
-    except ImportError:
-        return None
+    the input's copy to the last gradient), above its parameters and gradients."""
     for unit in units[lo:hi]:   # steady state: gradients exist and accumulate (2nd micro-batch on)
         for p in unit.parameters():
             p.grad = torch.zeros_like(p)
-    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with PeakMeter("cpu") as meter:
         leaf = _leaf(x, lo > 0)
         outs = [t for t in _tensors(_run(units, leaf, lo, hi)) if t.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         del leaf, outs
-    live = peak = 0
-    created = set()
-    for _, action, (key, _), size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if action == Action.CREATE:
-            created.add(key)
-            live += size
-        elif action == Action.DESTROY and key in created:
-            live -= size
-        peak = max(peak, live)
     for unit in units[lo:hi]:
         unit.zero_grad(set_to_none=True)
-    return peak
+    return meter.peak
 
 
 def random_cuts(n: int, count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -176,7 +166,7 @@ def random_cuts(n: int, count: int, seed: int = 0) -> list[tuple[int, int]]:
     return cuts
 
 
-def _ratio(pair: tuple[int, int | None]) -> str:
+def _ratio(pair: tuple[int, int]) -> str:
     est, real = pair
     return "n/a" if not real else f"{est / real:.3f}"
 
@@ -194,10 +184,9 @@ def main() -> None:
     for name, model in models:
         for c in compare(model, (3, size, size), batch, random_cuts(len(model), 3), name):
             act, peak = c.activations, c.peak
-            real_peak = "n/a" if peak[1] is None else f"{peak[1] / 2**20:.2f}"
             print(f"{name:20s} {f'[{c.lo},{c.hi})':>9s} {_ratio(c.params):>7s} "
                   f"{_ratio(act):>7s} ({act[0] / 2**20:7.2f}, {act[1] / 2**20:7.2f}) "
-                  f"{_ratio(peak):>20s} ({peak[0] / 2**20:7.2f}, {real_peak:>7s})")
+                  f"{_ratio(peak):>20s} ({peak[0] / 2**20:7.2f}, {peak[1] / 2**20:7.2f})")
 
 
 if __name__ == "__main__":

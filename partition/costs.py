@@ -16,11 +16,13 @@ backward FLOPs, a proxy that ranks stages the same way on one kind of device.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from gems import schedule as schedules
+from .policy import Holder, PolicyModel, unit_seconds
 from .profile import ModelProfile
 
 BALANCE_BY = ("memory", "time", "flops")
@@ -31,12 +33,18 @@ def _segments(prefix: np.ndarray) -> np.ndarray:
     return prefix[None, :] - prefix[:, None]
 
 
-def memory_floor(profile: ModelProfile) -> tuple[float, int]:
+def memory_floor(profile: ModelProfile, activations: np.ndarray | None = None,
+                 extra: np.ndarray | None = None) -> tuple[float, int]:
     """A peak no partition can beat, whatever K or schedule, and the unit that forces it: the
     position holding unit u holds at least the cheapest stage containing u (its static
-    memory, one micro-batch of its activations, its working memory). The max over u."""
+    memory, one micro-batch of its activations, its working memory). The max over u.
+    ``activations`` / ``extra``: what a memory policy keeps and brings back (its least). A
+    policy does not lower every stage's peak (a recomputed segment's backward can rise above
+    the stage's own), so each stage counts the lesser of with and without it."""
     n = len(profile)
-    cost = _segments(profile.unit_sums("static_bytes")) + profile.activation_matrix() + profile.working_matrix()
+    plain = profile.activation_matrix()
+    kept = plain if activations is None else np.minimum(plain, activations + _or(extra, 0.0))
+    cost = _segments(profile.unit_sums("static_bytes")) + kept + profile.working_matrix()
     cost[np.tril_indices(n + 1)] = np.inf                             # only lo < hi are stages
     beyond = np.minimum.accumulate(cost[:, ::-1], axis=1)[:, ::-1]    # [lo, u+1] -> min over hi > u
     cheapest = np.diagonal(np.minimum.accumulate(beyond[:n, 1:], axis=0))   # u -> min over lo <= u
@@ -44,20 +52,27 @@ def memory_floor(profile: ModelProfile) -> tuple[float, int]:
     return float(cheapest[unit]), unit
 
 
-def memory_average(profile: ModelProfile, K: int) -> float:
+def memory_average(profile: ModelProfile, K: int, activations: np.ndarray | None = None) -> float:
     """A peak no partition into K stages can beat, whatever the schedule: every stage is held
     once or more with a micro-batch or more in flight, so the loads sum to at least the
-    static memory plus the activations of the whole model."""
+    static memory plus the activations of the whole model (those a policy keeps, if given)."""
     n = len(profile)
-    return float(profile.unit_sums("static_bytes")[-1] + profile.activation_matrix()[0, n]) / K
+    return float(profile.unit_sums("static_bytes")[-1] + _or(activations, profile.activation_matrix())[0, n]) / K
+
+
+def _or(matrix, default):
+    return default if matrix is None else matrix
 
 
 class CostModel:
-    """Cost matrices of one profile under (schedule, K, m); see module docstring."""
+    """Cost matrices of one profile under (schedule, K, m), every stage with memory policy
+    ``kind`` priced by ``policies`` (none without); see module docstring."""
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
-                 unit_times: Sequence[float] | None = None) -> None:
+                 unit_times: Sequence[float] | None = None, policies: PolicyModel | None = None,
+                 kind: str = "none") -> None:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
+        self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
         self.in_flight = schedules.in_flight(schedule, K, micro_batches)
         self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
@@ -65,16 +80,20 @@ class CostModel:
         if self._holds != expected:   # the solver's placement must be the schedule's
             raise RuntimeError(f"schedule {schedule} places stages as {self._holds}, the solver as {expected}")
         self.static = _segments(profile.unit_sums("static_bytes"))
-        self.activations = profile.activation_matrix()
+        self.activations = profile.activation_matrix() if policies is None else policies.kept(kind)
         self.transient = profile.working_matrix()
+        self._waiting: list[dict[int, int]] | None = None
         self.forward_flops = _segments(profile.unit_sums("forward_flops"))
         self._remainder: np.ndarray | None = None
-        self._memory: dict[tuple[int, int], np.ndarray] = {}
+        self._memory: dict[tuple, np.ndarray] = {}
         if unit_times is None:
             self.time = self.forward_flops + _segments(profile.unit_sums("backward_flops"))
+            self.forward_time = self.forward_flops
             self.time_unit = "FLOP"
         else:
-            self.time = _segments(np.concatenate([[0.0], np.cumsum(np.asarray(unit_times, dtype=float))]))
+            forward, backward = unit_seconds(profile, 1.0, unit_times)
+            self.time = _segments(np.concatenate([[0.0], np.cumsum(forward + backward)]))
+            self.forward_time = _segments(np.concatenate([[0.0], np.cumsum(forward)]))
             self.time_unit = "s"
 
     def holds(self, position: int) -> list[int]:
@@ -86,21 +105,51 @@ class CostModel:
         replicas = (stage == position) + (self.mirror and self.K - 1 - stage == position)
         return self.m * int(replicas)
 
+    def waiting(self, position: int, stage: int) -> int:
+        """Forwards of ``stage`` on ``position`` per step whose backward is not the next compute
+        action (``gems.schedule.waiting_forwards``): those a policy applies to in full."""
+        if self._waiting is None:
+            self._waiting = [Counter(a.stage for a in schedules.waiting_forwards(actions))
+                             for actions in schedules.schedule(self.schedule, self.K, self.m)]
+        return self._waiting[position][stage]
+
+    def holders(self, stage: int) -> list[Holder]:
+        """The positions holding ``stage``, with what its policy's price depends on."""
+        return [Holder(p, self.in_flight[p][stage], self.handled(p, stage), self.waiting(p, stage))
+                for p in range(self.K) if stage in self.holds(p)]
+
     def memory(self, position: int, stage: int) -> np.ndarray:
         return self._scaled(self.activations, self.in_flight[position].get(stage, 0), self.static)
 
     def peak(self, position: int, stage: int) -> np.ndarray:
-        return self.transient
+        if self.kind == "none":
+            return self.transient
+        return self._scaled(self.policies.extra(self.kind), 1, self.transient)
 
     def time_cost(self, position: int, stage: int) -> np.ndarray:
-        return self._scaled(self.time, self.handled(position, stage))
+        return self._scaled(self.time, self.handled(position, stage), self._rerun(position, stage, self.forward_time))
 
     def flops_cost(self, position: int, stage: int) -> np.ndarray:
-        return self._scaled(self.forward_flops, self.handled(position, stage))
+        return self._scaled(self.forward_flops, self.handled(position, stage),
+                            self._rerun(position, stage, self.forward_flops))
+
+    def _rerun(self, position: int, stage: int, forward: np.ndarray) -> np.ndarray | None:
+        """What recomputation in natural segments re-runs of ``forward`` (a segment matrix) per
+        step: all of it per waiting forward, all but the last segment per immediate one."""
+        if "recompute" not in self.kind:
+            return None
+        waiting, handled = self.waiting(position, stage), self.handled(position, stage)
+        key = ("rerun", id(forward), waiting, handled)
+        if key not in self._memory:
+            n = len(self.profile)
+            last = forward[self.policies.last_start(), np.arange(n + 1)[None, :]]
+            self._memory[key] = handled * forward - (handled - waiting) * last
+        return self._memory[key]
 
     def _scaled(self, matrix: np.ndarray, factor: int, plus: np.ndarray | None = None) -> np.ndarray:
-        """factor * matrix (+ plus), one object per factor: the solver converts each once."""
-        key = (id(matrix), factor)
+        """factor * matrix (+ plus), one object per (matrix, factor, plus): the solver converts
+        each once."""
+        key = (id(matrix), factor, id(plus))
         if key not in self._memory:
             self._memory[key] = factor * matrix if plus is None else plus + factor * matrix
         return self._memory[key]

@@ -3,18 +3,28 @@ need, and the inputs it was made for. Serialisable to JSON so ``gems-plan --json
 can be reviewed, edited (``cuts``) and handed to training.
 
 The engine reads: ``stages``, ``schedule``, ``micro_batches``, ``cuts``, ``input_shape``,
-``stage_output_shapes`` and ``stage_output_dtypes``. Everything else is an estimate for
-people. Bytes and FLOPs of a stage are per micro-batch; those of a position are per step
-(a position runs ``micro_batches`` micro-batches of each replica it serves).
+``stage_output_shapes``, ``stage_output_dtypes`` and ``policies``. Everything else is an
+estimate for people. Bytes and FLOPs of a stage are per micro-batch; those of a position are
+per step (a position runs ``micro_batches`` micro-batches of each replica it serves).
+Estimates include the stages' policies (``gems.partition.policy`` prices them); the
+``plain_*`` fields give the same cuts without policies.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from gems.errors import GemsError
 from gems.units import format_size
+
+
+# Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
+# costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
+# per-channel statistics, small masks, the logits of the loss). The engine and the planner agree on it.
+MIN_OFFLOAD_BYTES = 64 * 1024
 
 
 @dataclass
@@ -38,6 +48,11 @@ class StagePolicy:
         parts = [name for name, on in (("recompute", bool(self.recompute)), ("offload", self.offload)) if on]
         return "+".join(parts) or "none"
 
+    @property
+    def label(self) -> str:
+        """``kind`` with the number of recompute segments, e.g. "recompute x3+offload"."""
+        return self.kind.replace("recompute", f"recompute x{len(self.recompute)}")
+
 
 @dataclass
 class StageEstimate:
@@ -51,12 +66,16 @@ class StageEstimate:
     grad_bytes: int
     optimizer_bytes: int
     buffer_bytes: int
-    activation_bytes: int     # kept for backward per micro-batch in flight (input + saved + output)
+    activation_bytes: int     # kept for backward per micro-batch in flight (input + saved + output), policy applied
     transient_bytes: int      # largest working memory of one unit's forward or backward
     input_bytes: int          # received per micro-batch (0 for stage 0: the data)
     output_bytes: int         # sent per micro-batch
     forward_flops: int
     backward_flops: int
+    plain_activation_bytes: int = 0   # activation_bytes without the policy
+    recompute_bytes: int = 0          # the largest recompute segment, rematerialised at a backward
+    offload_bytes: int = 0            # sent to the host and back per micro-batch (waiting forwards only)
+    extra_seconds: float = 0.0        # time the policy adds per step, over every position running the stage
 
     @property
     def static_bytes(self) -> int:
@@ -74,10 +93,14 @@ class PositionEstimate:
     static_bytes: int                 # parameters + gradients + optimizer state + buffers
     in_flight: dict[int, int]         # stage -> micro-batches whose activations are alive at the peak
     activation_bytes: int             # sum over stages of in_flight * activation bytes
-    transient_bytes: int
+    transient_bytes: int              # largest over its stages: working memory + what a policy brings back
     peak_bytes: int                   # static + activations + transient
     flops: int                        # forward FLOPs per step (all micro-batches it runs)
     load: float                       # the balanced objective's value for this position
+    plain_peak_bytes: int = 0         # peak_bytes without policies
+    recompute_flops: int = 0          # forward FLOPs re-run per step by recomputation
+    seconds: float = 0.0              # forward + backward + policies per step, at Plan.flops_per_second
+    extra_seconds: float = 0.0        # of which the policies
 
 
 @dataclass
@@ -111,6 +134,11 @@ class Plan:
     smallest_fitting_stages: int | None = None   # when it does not fit: the least K that would
     notes: list[str] = field(default_factory=list)
     policies: list[StagePolicy] = field(default_factory=list)   # per stage; empty = none everywhere
+    device: str = "cuda"                  # where stages run: "cpu" gains nothing from offloading
+    host_bandwidth: float | None = None   # bytes/s between device and host, for offloading
+    flops_per_second: float | None = None   # sustained rate behind the seconds (measured times aside)
+    step_seconds: float | None = None       # predicted step with the policies (gems.simulate, free network)
+    plain_step_seconds: float | None = None   # the same without them (both None without policies)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -161,8 +189,11 @@ class Plan:
             known = {f.name for f in fields(cls)}
             plan = cls(**{k: v for k, v in data.items() if k in known})
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise GemsError(f"the plan JSON is not valid ({type(error).__name__}: {error}): "
+            raise GemsError(f"the plan JSON is not valid ({type(error).__name__}: {' '.join(str(error).split())}): "
                             "regenerate it with gems-plan --json") from None
+        problem = _type_problem(plan, cls, "plan")
+        if problem is not None:
+            raise GemsError(f"the plan JSON is not valid ({problem}): regenerate it with gems-plan --json")
         plan.check()
         return plan
 
@@ -177,6 +208,14 @@ class Plan:
                             f"use {K + 1} increasing cut points from 0 to {n}")
         if len(self.policies) != K:
             raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
+        if len(self.stage_estimates) != K or len(self.positions) != K:
+            raise GemsError(f"the plan has {len(self.stage_estimates)} stage and {len(self.positions)} position "
+                            f"estimates for {K} stages: regenerate it with gems-plan --json")
+        for s, (shapes, dtypes) in enumerate(zip(self.stage_output_shapes, self.stage_output_dtypes)):
+            if (not shapes or len(shapes) != len(dtypes) or any(d < 0 for shape in shapes for d in shape)
+                    or not all(_is_dtype(name) for name in dtypes)):
+                raise GemsError(f"stage {s}'s output shapes {shapes} and dtypes {dtypes} do not describe tensors: "
+                                "regenerate the plan with gems-plan --json")
         for s, policy in enumerate(self.policies):
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
             for seg in policy.recompute:
@@ -189,24 +228,33 @@ class Plan:
     def table(self) -> str:
         """A human summary: inputs, one row per stage and per position, the balance, the budget."""
         shape = "x".join(map(str, self.input_shape))
+        policed = any(p.kind != "none" for p in self.policies)
         lines = [
             f"model {self.model_name}, input {shape}, batch {self.batch_size} "
             f"({self.micro_batch_size} per micro-batch), {self.groups} group(s), {self.dtype}, {self.optimizer}",
             f"schedule {self.schedule}, {self.stages} stages, {self.micro_batches} micro-batch(es) per replica, "
             f"balanced by {self.balance_by}",
             "",
-            _rows(["stage", "units", "first..last unit", "params", "activations/mb", "output/mb", "GFLOP/mb"],
-                  [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names),
-                    format_size(s.param_bytes), format_size(s.activation_bytes), format_size(s.output_bytes),
-                    f"{s.forward_flops / 1e9:.1f}"] for s in self.stage_estimates]),
+            _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
+                  + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],
+                  [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
+                    policy.label, format_size(s.activation_bytes)]
+                   + [format_size(s.plain_activation_bytes)] * policed
+                   + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
+                   for s, policy in zip(self.stage_estimates, self.policies)]),
             "",
-            _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak", "GFLOP/step"],
+            _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
+                  + ["w/o policy", "+s/step"] * policed + ["GFLOP/step"],
                   [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
-                    format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes),
-                    f"{p.flops / 1e9:.1f}"] for p in self.positions]),
+                    format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
+                   + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
+                   + [f"{p.flops / 1e9:.1f}"] for p in self.positions]),
             "",
             f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
         ]
+        if policed and self.step_seconds is not None:
+            lines.append(f"predicted step {self.step_seconds:.3f} s with the policies, {self.plain_step_seconds:.3f} s "
+                         f"without (at {self.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
         if self.memory_budget is not None:
             worst = max(self.positions, key=lambda p: p.peak_bytes)
             if self.fits:
@@ -219,6 +267,45 @@ class Plan:
                              f"over the budget of {format_size(self.memory_budget)}{smallest}")
         lines += self.notes
         return "\n".join(lines)
+
+
+def _is_dtype(name: str) -> bool:
+    import torch  # noqa: PLC0415 - only plans read from files need it
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _type_problem(value: object, hint: object, where: str) -> str | None:
+    """Where JSON-loaded ``value`` departs from its annotation ``hint`` (None if nowhere): plain
+    types, ``X | None``, lists, ``tuple[T, ...]``, dicts and the plan's dataclasses, field by field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(value, a, where) for a in args]
+        return None if None in problems else problems[0]
+    if origin in (list, tuple, dict):
+        if not isinstance(value, origin):
+            return f"{where} should be a {origin.__name__}, got {value!r:.40}"
+        items = value.items() if origin is dict else enumerate(value)
+        for key, item in items:
+            problem = ((origin is dict and _type_problem(key, args[0], f"{where} key"))
+                       or _type_problem(item, args[-1] if origin is dict else args[0], f"{where}[{key!r}]"))
+            if problem:
+                return problem
+        return None
+    if is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        for f in fields(hint):
+            problem = _type_problem(getattr(value, f.name), hints[f.name], f"{where}.{f.name}")
+            if problem:
+                return problem
+        return None
+    if hint is type(None):
+        ok = value is None
+    elif hint is float:  # JSON writes 2.0 as 2.0 but people write 2
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:                # bool is an int to Python, never to a plan
+        ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    return None if ok else f"{where} should be {getattr(hint, '__name__', hint)}, got {value!r:.40}"
 
 
 def _span(names: list[str]) -> str:

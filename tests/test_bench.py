@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,11 +63,15 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert -1.0 < r["bubble"] < 1.0 and math.isfinite(r["simulator_error"])
         assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
-        assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2 and min(r["peak_memory"]) > 0
+        assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2
+        assert min(r["peak_memory"]) > 0 and min(r["plan_memory"]) > 0
         trace = json.loads((tmp_path / "traces" / f"{name}.json").read_text())
         assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert report["schedules"]["mp"]["ratio_to_mp"] == 1.0
     assert report["reference"]["images_per_s"] > 0
+    assert report["reference"]["peak_memory"] > 0 and report["reference"]["plan_memory"] > 0
+    memory_cells = re.findall(r"\d+\.\d\d [KMG]iB / \d+\.\d\d [KMG]iB \([+-]\d+\.\d%\)", table)
+    assert len(memory_cells) == 4 * 2 + 1, table   # measured / estimated (error): per schedule and rank, reference
 
 
 def test_bad_flag_value_is_one_line_and_exit_2():

@@ -66,6 +66,12 @@ def test_bad_input_in_a_subprocess(args):
     (["--stages", "0"], "positive integer"),
     (["--schedule", "zigzag"], "invalid choice"),
     (["--balance-by", "luck"], "invalid choice"),
+    (["--recompute", "some"], "invalid choice"),
+    (["--offload", "yes"], "invalid choice"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--host-bandwidth", "fast"], "host bandwidth must be a positive rate"),
+    (["--host-bandwidth", "0GB/s"], "host bandwidth must be a positive rate"),
+    (["--device-tflops", "-1"], "device rate must be positive"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
     args = BASE.copy()
@@ -114,3 +120,46 @@ def test_simulate_predicts_every_schedule():
     rows = [line.split()[0] for line in result.stdout.splitlines()[-4:]]
     assert rows == ["mp", "gpipe", "1f1b", "mast"]
     assert "<- this plan" in result.stdout.splitlines()[-1]
+
+
+def test_policy_flags(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    assert main(BASE + ["--recompute", "all", "--offload", "all", "--host-bandwidth", "25GB/s",
+                        "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute x" in out and "+offload" in out and "predicted step" in out and "w/o policy" in out
+    data = json.loads(path.read_text())
+    assert data["host_bandwidth"] == 25e9 and data["device"] == "cuda"
+    assert all(p["recompute"] and p["offload"] for p in data["policies"])
+
+
+def test_auto_policies_fit_a_budget_the_plain_plan_misses(capsys):
+    from gems.models import build
+    from gems.partition import plan
+
+    model = build("resnet18", num_classes=10)
+    plain, lean = (plan(model, (3, 64, 64), 2, 2, recompute=mode, offload=mode) for mode in ("none", "all"))
+    budget = (plain.peak_bytes + lean.peak_bytes) // 2
+    assert main(BASE + ["--memory-budget", str(budget), "--recompute", "auto", "--offload", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: the largest peak" in out and ("recompute x" in out or "offload" in out)
+    assert main(BASE + ["--memory-budget", str(budget), "--device", "cpu", "--recompute", "auto"]) == 0
+    assert "offload" not in capsys.readouterr().out
+
+
+def test_sweep_recommends_the_fastest_configuration_that_fits(capsys):
+    base = ["--model", "resnet18", "--num-classes", "10", "--image-size", "128", "--batch-size", "8"]
+    assert main(base + ["--sweep", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[3:] if line.split()[0] in ("mp", "gpipe", "1f1b", "mast")]
+    rates = [float(r[5]) for r in rows]
+    assert rows and rates == sorted(rates, reverse=True)
+    assert {int(r[1]) for r in rows} <= {1, 2, 4} and all(int(r[1]) * int(r[3]) == 4 for r in rows)
+    assert out[-1].startswith(f"recommended: --stages {rows[0][1]} --schedule {rows[0][0]}")
+    # A budget below the data-parallel peak pushes the recommendation to more stages or recomputation.
+    tight = float(rows[0][6]) * 0.6
+    assert main(base + ["--sweep", "4", "--memory-budget", f"{tight}{rows[0][7]}", "--recompute", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "over the budget" in out and ("recompute" in out or "nothing fits" in out)
+    assert main(base) == 2
+    assert "--stages" in capsys.readouterr().err

@@ -187,3 +187,34 @@ def test_bad_input_names_the_fix(tmp_path, make, kw, match):
     with pytest.raises(GemsError, match=match):
         TrainData(make(tmp_path), args.pop("image_size"), args.pop("batch_size"), args.pop("groups"),
                   args.pop("group"), workers=0, **args)
+
+
+def _png_header_only(path, width, height):
+    """A valid PNG signature and header declaring width x height RGB pixels, with almost no pixel data:
+    a few hundred bytes on disk, width * height * 3 bytes if decoded."""
+    import struct  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(1000)))
+                     + chunk(b"IEND", b""))
+
+
+def test_a_decompression_bomb_in_a_folder_is_skipped_without_decoding(folder):
+    import resource  # noqa: PLC0415
+
+    _png_header_only(folder / "cat" / "bomb.png", 60_000, 60_000)  # 10.8 GB of RGB if decoded
+    assert (folder / "cat" / "bomb.png").stat().st_size < 1000
+    data = TrainData(str(folder), S, 13, 1, 0, workers=0)  # default limit: PIL's, about 89 million pixels
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [_all(data, e) for e in range(2)]
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "bomb.png" in messages[0] and "3600000000 pixels" in messages[0], messages
+    assert data.skipped == 2  # once per epoch: the sample stays in the batch, with zero pixels
+    assert sum(int((~x.flatten(1).any(1)).sum()) for run in epochs for x, _ in run) == 2
+    assert grew_kib < 1 << 20, f"peak RSS grew by {grew_kib} KiB: the bomb was decoded"

@@ -155,6 +155,10 @@ def test_sweep_ranks_fitting_configurations():
     assert all(4 % c.stages == 0 and c.groups == 4 // c.stages for c in found)
     tight = sweep(costs_for, world=4, network=IDEAL, stages=(1, 2, 4), micro_batches=(1, 4), memory_budget=100)
     assert tight and all(c.peak_bytes <= 100 for c in tight) and len(tight) < len(found)
+    # A planner's peak (memory policies, working memory), when given, decides instead.
+    planned = sweep(lambda name, K, m, D: (*costs_for(name, K, m, D), 10 * K), world=4, network=IDEAL,
+                    stages=(1, 2, 4), micro_batches=(1,), memory_budget=20)
+    assert {c.stages for c in planned} == {1, 2} and all(c.peak_bytes == 10 * c.stages for c in planned)
 
 
 def test_bad_input_names_the_fix():

@@ -133,8 +133,9 @@ def test_a_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
     ck = tmp_path / "ck"
     args = [*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "4",
             "--checkpoint-dir", ck, "--checkpoint-every", "1"]
-    proc = subprocess.run([sys.executable, str(DISTRIBUTED / "kill_in_save.py"), "3", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(DISTRIBUTED / "fault_worker.py"), *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GEMS_FAULT": "at=save,step=3"})  # torn shard of step 3
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     torn = ck / "step-00000003"
     assert torn.is_dir() and not (torn / "manifest.json").exists()
@@ -178,6 +179,8 @@ def tiny_checkpoint(tmp_path_factory):
     (["--stages", "1", "--checkpoint-dir", "/proc/gems-checkpoints"], "choose a writable --checkpoint-dir"),
     (["--stages", "1", "--schedule", "zigzag"], "invalid choice"),
     (["--stages", "1", "--memory-budget", "40GB?"], "40GB?"),
+    (["--stages", "1", "--memory-budget", "100KiB"], "no number of stages fits"),
+    (["--stages", "1", "--memory-budget", "250KiB"], "does not fit --memory-budget 250.00 KiB: position 0"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(args, message):
     result = single(*BASE, "--batch-size", "2", *args)

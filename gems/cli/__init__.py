@@ -21,7 +21,7 @@ USER_ERROR = 2  # the exit status of argparse for bad usage; gems uses it for ev
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line naming the problem (argparse's default also prints the whole usage)."""
-        self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(USER_ERROR, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -61,6 +61,12 @@ def checked(convert: Callable[[str], object]) -> Callable[[str], object]:
     return convert_argument
 
 
+def one_line(message: object) -> str:
+    """``message`` with every run of whitespace (newlines, carriage returns from a file name or a
+    JSON key quoted in it) made one space, so an error is always exactly one line."""
+    return " ".join(str(message).split())
+
+
 def run(prog: str, body: Callable[[], int | None]) -> int:
     """Run a command's body; return its exit status (0 when it returns None).
 
@@ -69,7 +75,7 @@ def run(prog: str, body: Callable[[], int | None]) -> int:
     try:
         status = body()
     except GemsError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -90,6 +96,6 @@ def setup_on_every_rank(prog: str, comm, setup: Callable[[], object]) -> object:
         if comm.rank == 0:
             rank, message = failed[0]
             where = "" if len(failed) == comm.size else f" (rank {rank})"
-            print(f"{prog}: error{where}: {message}", file=sys.stderr, flush=True)
+            print(f"{prog}: error{where}: {one_line(message)}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR)
     return result

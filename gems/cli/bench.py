@@ -19,17 +19,22 @@ from gems.cli import dataclass_parser, setup_on_every_rank
 def parse(argv: list[str] | None = None) -> BenchConfig:
     p = dataclass_parser("gems-bench", "Benchmark pipeline schedules against each other and one "
                                        "unpartitioned rank.", BenchConfig)
-    return BenchConfig(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if not args.timeout > 0:  # the communicator needs it, before the ranks can report errors together
+        p.error(f"argument --timeout: {args.timeout:g} is not a positive number of seconds")
+    return BenchConfig(**vars(args))
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     from gems import bench  # noqa: PLC0415
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
+    from gems import handshake  # noqa: PLC0415
 
     comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
     comm_lib.configure_threads(comm)
     setup_on_every_rank("gems-bench", comm, lambda: cfg.validate(comm.size))
+    handshake.agree("gems-bench", comm, handshake.benchmark(cfg))
     with comm.guard():
         report = bench.run(cfg, comm)
         if report is not None:

@@ -3,6 +3,8 @@
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --schedule mast
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 40GiB
     gems-plan --model my_net.py:build --image-size 1024x768 --stages 3 --balance 4,6,5 --json plan.json
+    gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 16GiB \
+              --recompute auto --offload auto
 
 The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
 on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
@@ -15,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
+from gems.config import MAX_CLASSES, MAX_INPUT_ELEMENTS
 from gems.errors import GemsError
 from gems.units import format_size, parse_size
 
@@ -51,8 +54,16 @@ def positive(text: str) -> int:
     return value
 
 
+def class_count(text: str) -> int:
+    value = positive(text)
+    if value > MAX_CLASSES:
+        raise GemsError(f"{text} classes are more than {MAX_CLASSES}, beyond which tensor sizes overflow")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gems.partition import BALANCE_BY, OPTIMIZER_STATE
+    from gems.partition.policy import MODES, parse_bandwidth
     from gems.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
@@ -63,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=checked(positive), default=3, help="image channels")
     p.add_argument("--batch-size", required=True, type=checked(positive),
                    help="images per optimizer step over the whole job")
-    p.add_argument("--stages", required=True, type=checked(positive), help="K, stages per pipeline")
+    p.add_argument("--stages", type=checked(positive), help="K, stages per pipeline (required unless --sweep)")
     p.add_argument("--schedule", default="mast", choices=SCHEDULES)
     p.add_argument("--micro-batches", type=checked(positive), default=1, help="m, per replica per step")
     p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
@@ -72,9 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="units per stage, instead of solving")
     p.add_argument("--memory-budget", type=checked(parse_size), metavar="SIZE",
                    help="memory per device, e.g. 40GiB (binary) or 40GB (decimal)")
+    p.add_argument("--recompute", default="none", choices=MODES,
+                   help="recompute activations in backward instead of keeping them: on every stage (all), "
+                        "or only where --memory-budget needs it (auto)")
+    p.add_argument("--offload", default="none", choices=MODES,
+                   help="keep saved activations in host memory until backward: all, or auto as --recompute")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="where the stages will run (offloading from a CPU device saves nothing)")
+    p.add_argument("--host-bandwidth", type=checked(parse_bandwidth), default="12GB/s", metavar="RATE",
+                   help="device-to-host copy rate for --offload, e.g. 12GB/s (PCIe 3 x16) or 25e9")
     p.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_STATE))
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--num-classes", type=checked(positive), default=1000)
+    p.add_argument("--num-classes", type=checked(class_count), default=1000)
     p.add_argument("--measure-time", action="store_true",
                    help="time every unit on this machine (CUDA if present) at the real size, for --balance-by time; "
                         "without it, time is estimated from FLOPs")
@@ -82,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true",
                    help="predict step time, throughput and bubbles of this plan and of every schedule "
                         "at the same K and m (gems.simulate)")
+    p.add_argument("--sweep", type=checked(positive), metavar="RANKS",
+                   help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8 and D = RANKS / K at "
+                        "this --batch-size (under --memory-budget, with --recompute/--offload as given) and "
+                        "recommend the fastest that fits")
     p.add_argument("--device-tflops", type=float, default=15.7,
-                   help="device peak rate for --simulate (default: a V100's fp32 peak)")
+                   help="device peak rate, for --simulate and the time of policies (default: a V100's fp32 peak)")
     p.add_argument("--efficiency", type=float, default=0.4, help="fraction of the peak the kernels reach")
     return p
 
@@ -100,6 +124,8 @@ def _plan(args: argparse.Namespace) -> None:
     from gems.partition import measure_times, plan
     from gems.schedule import replicas
 
+    if args.stages is None and not args.sweep:
+        raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
     if args.measure_time:
         model = build(args.model, num_classes=args.num_classes)
     else:
@@ -110,10 +136,18 @@ def _plan(args: argparse.Namespace) -> None:
             model = build(args.model, num_classes=args.num_classes)
     height, width = args.image_size
     shape = (args.channels, height, width)
+    if args.batch_size * args.channels * height * width > MAX_INPUT_ELEMENTS:
+        raise GemsError(f"a batch of {args.batch_size} inputs of {'x'.join(map(str, shape))} is beyond torch's "
+                        "tensor sizes: use a smaller --batch-size, --image-size or --channels")
     options = dict(batch_size=args.batch_size, stages=args.stages, schedule=args.schedule,
                    micro_batches=args.micro_batches, balance_by=args.balance_by, memory_budget=args.memory_budget,
                    balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
-                   model_name=args.model)
+                   model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
+                   host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
+                   efficiency=args.efficiency)
+    if args.sweep:
+        print(_sweep(model, shape, options, args))
+        return
     if args.measure_time:
         # Check the input on fake tensors first, so that a bad size fails cleanly, not mid-timing.
         plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None})
@@ -133,7 +167,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
-    from gems.simulate import V100_CLUSTER, simulate_plan
+    from gems.simulate import V100_CLUSTER, costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
     lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
@@ -149,10 +183,54 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
                                  * (2 if name == "mast" else 1)})
         except GemsError:
             continue
-        r = simulate_plan(p, V100_CLUSTER, rate, args.efficiency)
+        r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
+                     p.groups)
         mark = "  <- this plan" if p is chosen else ""
         lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
                      f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
+    return "\n".join(lines)
+
+
+def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
+    """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (the profile of each micro-batch
+    size is made once), simulated, filtered by the memory budget, fastest first."""
+    from gems.partition import plan
+    from gems.simulate import V100_CLUSTER, costs_from_plan, sweep
+
+    world, profiles, plans, over = args.sweep, {}, {}, []
+    rate = args.device_tflops * 1e12
+
+    def costs_for(name: str, K: int, m: int, D: int):
+        try:
+            p = plan(model, shape, **{**options, "stages": K, "schedule": name, "micro_batches": m, "groups": D,
+                                      "balance": None, "profiles": profiles})
+        except GemsError:          # the batch does not split, more stages than units, nothing fits
+            return None
+        plans[name, K, m] = p
+        if p.fits is False:
+            over.append(p)
+        return costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes
+
+    stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
+    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)
+    budget = f" within {format_size(args.memory_budget)}" if args.memory_budget else ""
+    lines = [f"sweep: {world} ranks, batch {args.batch_size}, {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
+             f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node of {V100_CLUSTER.ranks_per_node}, "
+             f"{V100_CLUSTER.bandwidth / 1e9:.1f} GB/s between nodes",
+             f"{len(plans)} configurations planned, {len(found)} fit{budget}"
+             + (f" ({len(over)} over the budget)" if over else ""),
+             f"{'schedule':10}{'K':>3}{'m':>3}{'D':>4}{'step (ms)':>11}{'images/s':>10}{'est. peak':>12}  policies"]
+    for c in found[:12]:
+        kinds = sorted({pol.kind for pol in plans[c.schedule, c.stages, c.micro_batches].policies})
+        lines.append(f"{c.schedule:10}{c.stages:>3}{c.micro_batches:>3}{c.groups:>4}{c.step_time * 1e3:>11.1f}"
+                     f"{c.images_per_second:>10.2f}{format_size(c.peak_bytes):>12}  {','.join(kinds)}")
+    if found:
+        best = found[0]
+        lines.append(f"recommended: --stages {best.stages} --schedule {best.schedule} --micro-batches "
+                     f"{best.micro_batches} on {world} ranks ({best.groups} data-parallel group(s))")
+    else:
+        lines.append("nothing fits: raise --memory-budget, allow --recompute auto / --offload auto, "
+                     "or use more ranks")
     return "\n".join(lines)
 
 

@@ -20,21 +20,24 @@ from gems.config import TrainConfig
 
 
 def parse(argv: list[str] | None = None) -> TrainConfig:
-    args = dataclass_parser("gems-train", "Train a CNN split into pipeline stages across MPI ranks.",
-                            TrainConfig).parse_args(argv)
+    p = dataclass_parser("gems-train", "Train a CNN split into pipeline stages across MPI ranks.", TrainConfig)
+    args = p.parse_args(argv)
+    if not args.timeout > 0:  # the communicator needs it, before the ranks can report errors together
+        p.error(f"argument --timeout: {args.timeout:g} is not a positive number of seconds")
     return TrainConfig(**vars(args))
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)  # argparse reports bad flags itself (exit 2)
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
-    from gems import trainer  # noqa: PLC0415
+    from gems import handshake, trainer  # noqa: PLC0415
 
     comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
     comm_lib.configure_threads(comm)
     job = setup_on_every_rank("gems-train", comm, lambda: trainer.prepare(cfg, comm))
     if job is None:  # --dry-run
         sys.exit(0)
+    handshake.agree("gems-train", comm, handshake.training(job))  # same plan, model, gems everywhere?
     with comm.guard():
         status = trainer.run(job)
     sys.exit(status)

@@ -7,6 +7,7 @@ raise     the last rank raises inside comm.guard() while the others wait for it
 kill      the last rank SIGKILLs itself while the others wait for it
 hang      the last rank sleeps for an hour: the others' 2 s timeout must end the job
 pingpong  [MiB] [round trips]: ranks 0 and 1 bounce a tensor; rank 0 prints the timing
+mismatch  N: rank 0 sends 5 floats, rank 1 receives into a buffer of N: a clear error, no hang
 """
 from __future__ import annotations
 
@@ -204,6 +205,17 @@ def pingpong(comm: gems.comm.Comm, mib: float = 4, trips: int = 30) -> None:
               f"(min {min(times[3:]) * 1e3:.2f} ms), {2 * mib * 2**20 / rt / 1e9:.2f} GB/s")
 
 
+def mismatch(comm: gems.comm.Comm, elements: int) -> None:
+    """A receive whose buffer does not match what arrives must fail loudly on the receiver."""
+    if comm.rank == 0:
+        comm.wait(comm.isend((torch.ones(5),), 1, tag=7), "the odd-sized message")
+    elif comm.rank == 1:
+        into = (torch.zeros(elements),)
+        comm.wait(comm.irecv(into, 0, tag=7), "the odd-sized message")
+        print(f"rank 1: received {into[0].tolist()} without an error")
+    comm.barrier()
+
+
 def main() -> None:
     backend, scenario, *args = sys.argv[1:]
     timeout = {"kill": 10.0, "hang": 2.0}.get(scenario, 30.0)
@@ -213,6 +225,8 @@ def main() -> None:
             features(comm)
         elif scenario in ("raise", "kill", "hang"):
             wait_for_last(comm, scenario)
+        elif scenario == "mismatch":
+            mismatch(comm, int(args[0]))
         elif scenario == "pingpong":
             pingpong(comm, *map(float, args[:1]), *map(int, args[1:2]))
         else:

@@ -8,6 +8,10 @@ Modes:
                 single-process reference within --rtol, for every schedule and m in {1, 2}.
   batchnorm     model with BatchNorm: every copy of every stage identical after the steps.
   tuples        AmoebaNet-D (tuple boundaries), eval-mode BatchNorm, against the reference.
+  --policy P    with these modes: every stage gets memory policy P (recompute: one segment
+                per unit; segment: one segment per stage; offload; recompute+offload), and
+                each rank checks that its units ran exactly as often as the recompute rule
+                of gems.policies says.
   raise / kill  the last rank raises in (or is SIGKILLed during) its second forward: the
                 job must end, non-zero, on every rank.
 Prints one "ok ..." line per configuration on rank 0; any mismatch raises (and aborts).
@@ -24,9 +28,13 @@ from torch import nn
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
+from gems import schedule as sch
+from gems.partition.plan import StagePolicy
+from gems.policies import checkpointed_segments
 from gems.schedule import SCHEDULES
 
 SIDE = 16
+POLICIES = ("none", "recompute", "segment", "offload", "recompute+offload")
 
 
 def tiny(batchnorm: bool) -> nn.Sequential:
@@ -45,23 +53,54 @@ def build(kind: str) -> nn.Sequential:
     return tiny(batchnorm=kind == "batchnorm")
 
 
-def data(batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(batch: int, step: int, side: int = SIDE) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(batch, 3, SIDE, SIDE, generator=g), torch.randint(0, 5, (batch,), generator=g)
+    return torch.randn(batch, 3, side, side, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def policies(name: str, cuts: list[int]) -> list[StagePolicy]:
+    """Policy ``name`` on every stage of a plan with these cuts."""
+    def one(lo: int, hi: int) -> StagePolicy:
+        segments = {"recompute": [[u, u + 1] for u in range(lo, hi)], "segment": [[lo, hi]]}
+        return StagePolicy(recompute=segments.get(name.split("+")[0], []), offload="offload" in name)
+    return [one(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+
+
+def count_unit_calls(engine) -> list[int]:
+    """Per model unit, forward calls on this rank from now on (recomputations included)."""
+    calls = [0] * engine.plan.cuts[-1]
+    for s, stage in engine.stages.items():
+        for i, unit in enumerate(stage, start=engine.plan.cuts[s]):
+            unit.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def expected_unit_calls(engine) -> list[int]:
+    """Per model unit, forward calls of one step: one per forward, plus one per forward that
+    checkpoints a segment holding the unit (gems.policies' rule)."""
+    calls = [0] * engine.plan.cuts[-1]
+    waiting = set(sch.waiting_forwards(engine.actions))
+    for a in engine.actions:
+        if a.op == sch.FORWARD:
+            lo, hi = engine.plan.cuts[a.stage], engine.plan.cuts[a.stage + 1]
+            segments = checkpointed_segments(engine.plan.policies[a.stage], a in waiting, hi)
+            for u in range(lo, hi):
+                calls[u] += 1 + sum(first <= u < end for first, end in segments)
+    return calls
 
 
 def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def reference(kind: str, batch: int, steps: int, clip: float | None = None):
+def reference(kind: str, batch: int, steps: int, clip: float | None = None, side: int = SIDE):
     model = build(kind)
     if kind == "tuples":
         model.eval()
     opt = optimizer(model.parameters())
     losses = []
     for step in range(steps):
-        x, y = data(batch, step)
+        x, y = data(batch, step, side)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -73,19 +112,27 @@ def reference(kind: str, batch: int, steps: int, clip: float | None = None):
 
 
 def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
-        clip: float | None = None) -> str:
+        clip: float | None = None, side: int = SIDE, policy: str = "none") -> str:
     D = comm.size // K
     batch = D * (2 if schedule == "mast" else 1) * m * 2
     model = build(kind)
     if kind == "tuples":
         model.eval()
-    plan = partition.plan(model, input_shape=(3, SIDE, SIDE), batch_size=batch, stages=K,
+    plan = partition.plan(model, input_shape=(3, side, side), batch_size=batch, stages=K,
                           schedule=schedule, micro_batches=m, groups=D)
+    plan.policies = policies(policy, plan.cuts)
     engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm,
                          clip_grad_norm=clip)
-    losses = [engine.step(*data(batch, step)) for step in range(steps)]
+    calls = count_unit_calls(engine)
+    losses = [engine.step(*data(batch, step, side)) for step in range(steps)]
     state = engine.state_dict()
-    where = f"{kind} {schedule} K={K} D={D} m={m}" + (f" clip={clip}" if clip else "")
+    where = (f"{kind} {schedule} K={K} D={D} m={m}" + (f" clip={clip}" if clip else "")
+             + (f" policy={policy}" if policy != "none" else ""))
+    expected = [steps * n for n in expected_unit_calls(engine)]
+    if calls != expected:
+        raise RuntimeError(f"{where}: rank {comm.rank} ran its units {calls} times, the rule says {expected}")
+    moved = sum(comm.allgather_object(sum(r.offload.bytes for r in engine._runners.values() if r.offload)))
+    where += f" ({sum(calls)} unit forwards on rank {comm.rank}, {moved} B offloaded)" if policy != "none" else ""
     if kind == "batchnorm":
         copies = comm.allgather_object({k: v.detach().cpu() for s in engine.stages.values()
                                         for k, v in s.state_dict().items()})
@@ -94,7 +141,7 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
                 if k in c and not torch.equal(c[k], v):
                     raise RuntimeError(f"{where}: rank {rank} holds a different copy of {k}")
         return f"ok {where}: {len(copies)} ranks, every copy identical"
-    ref_state, ref_losses = reference(kind, batch, steps, clip)
+    ref_state, ref_losses = reference(kind, batch, steps, clip, side)
     if list(state) != list(ref_state):
         raise RuntimeError(f"{where}: state dict keys differ from the model's")
     worst = 0.0
@@ -144,6 +191,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
+    p.add_argument("--side", type=int, default=SIDE, help="image height and width")
+    p.add_argument("--policy", choices=POLICIES, default="none", help="memory policy of every stage")
     args = p.parse_args()
     torch.set_num_threads(1)
     comm = comm_lib.create(args.backend, timeout=60)
@@ -155,7 +204,8 @@ def main() -> None:
                 for m in map(int, args.micro_batches.split(",")):
                     if schedule == "mp" and m > 1:
                         continue
-                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol, args.clip)
+                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol, args.clip,
+                               args.side, args.policy)
                     if comm.rank == 0:
                         print(line, flush=True)
 

@@ -1,0 +1,132 @@
+"""Out-of-core training: how much larger an image trains in a fixed per-rank memory budget
+with the planner's recompute/offload policies, at what cost in step time, and how close
+the plan's memory estimate is to the measured peak.
+
+    python benchmarks/out_of_core.py --model preact-resnet110 --budget 300MiB
+
+1. For each policy mode (``none``, ``auto``), the largest image side (a multiple of
+   ``--side-step``) whose plan fits the budget: ``gems.partition.plan`` on fake tensors,
+   binary search.
+2. Real runs, ``mpiexec -n K gems-train`` on CPU ranks (one thread each): ``none`` at its
+   largest side, ``auto`` at its largest side, and ``--recompute all`` at the ``none``
+   side (the price of recomputing everything where both fit). Each run reports its step
+   time (median, first and last steps excluded) and every rank's measured tensor peak over
+   the last step next to the plan's estimate (gems-train's summary).
+3. A table and the ratios: side with policies / side without (target >= 2), step time of
+   ``recompute all`` / ``none`` at the same side (target <= 1.35), estimate errors
+   (target within 10%).
+
+Not part of the installed package, and not a test: timings belong here, not in pytest.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gems import models
+from gems.errors import GemsError
+from gems.partition import plan
+from gems.units import format_size, parse_size
+
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+GEMS_TRAIN = str(Path(sys.executable).parent / "gems-train")
+
+
+def planned(model, side: int, args, recompute: str, offload: str):
+    """The plan gems-train makes for this run (the same call, on fake tensors)."""
+    return plan(model, (3, side, side), args.batch_size, args.stages, args.schedule, args.micro_batches,
+                memory_budget=args.budget, recompute=recompute, offload=offload, device="cpu", model_name=args.model)
+
+
+def fits(model, side: int, args, mode: str) -> bool:
+    try:
+        return bool(planned(model, side, args, mode, mode).fits)
+    except GemsError:
+        return False
+
+
+def largest_side(model, args, mode: str) -> int:
+    """The largest multiple of ``side_step`` in [side_step, max_side] whose plan fits."""
+    step = args.side_step
+    lo, hi = 0, args.max_side // step            # in steps: lo fits (0 = nothing), hi + 1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(model, mid * step, args, mode):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def train(model, args, side: int, recompute: str) -> dict:
+    """One gems-train run; its summary parsed: step time, measured and estimated peaks."""
+    offload = "auto" if recompute == "auto" else "none"
+    kinds = sorted({p.kind for p in planned(model, side, args, recompute, offload).policies})
+    command = [MPIEXEC, "-n", str(args.stages), GEMS_TRAIN, "--model", args.model, "--num-classes", "10",
+               "--image-size", str(side), "--batch-size", str(args.batch_size), "--stages", str(args.stages),
+               "--schedule", args.schedule, "--micro-batches", str(args.micro_batches), "--steps", str(args.steps),
+               "--memory-budget", str(args.budget), "--recompute", recompute, "--offload", offload,
+               "--workers", "0", "--no-progress"]
+    if args.enforce:
+        command.append("--enforce-memory-budget")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if result.returncode != 0:
+        return {"side": side, "recompute": recompute, "failed": (result.stderr or result.stdout).strip()[-300:]}
+    out = result.stdout
+    ranks = re.findall(r"rank (\d+) \(position \d+\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated", out)
+    return {"side": side, "recompute": recompute,
+            "step": float(re.search(r"step time\s+([\d.]+) s", out).group(1)),
+            "measured": [parse_size(m.replace(" ", "")) for _, m, _ in ranks],
+            "estimated": [parse_size(e.replace(" ", "")) for _, _, e in ranks],
+            "policies": kinds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="preact-resnet110")
+    p.add_argument("--budget", type=parse_size, default=parse_size("300MiB"), help="per-rank memory budget")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--schedule", default="mast")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--side-step", type=int, default=16)
+    p.add_argument("--max-side", type=int, default=1024)
+    p.add_argument("--enforce", action="store_true", help="also make the budget a hard limit (--enforce-memory-budget)")
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+
+    with torch.device("meta"):
+        model = models.build(args.model, num_classes=10)
+    plain, policed = largest_side(model, args, "none"), largest_side(model, args, "auto")
+    print(f"{args.model}, {args.schedule} K={args.stages} m={args.micro_batches}, batch {args.batch_size}, "
+          f"budget {format_size(args.budget)} per rank: largest side {plain} without policies, {policed} with "
+          f"auto -> {policed / max(plain, 1):.2f}x the side, {(policed / max(plain, 1)) ** 2:.2f}x the pixels",
+          flush=True)
+    runs = [train(model, args, plain, "none"), train(model, args, plain, "all"), train(model, args, policed, "auto")]
+    print(f"\n{'side':>5}  {'--recompute':11}  {'policies':28}  {'step (s)':>8}  per rank: measured / estimated (error)")
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['side']:>5}  {r['recompute']:11}  FAILED: {r['failed']}")
+            continue
+        ranks = "; ".join(f"{format_size(m)} / {format_size(e)} ({e / m - 1:+.1%})"
+                          for m, e in zip(r["measured"], r["estimated"]))
+        print(f"{r['side']:>5}  {r['recompute']:11}  {','.join(r['policies']):28}  {r['step']:>8.3f}  {ranks}")
+    none, everything = runs[0], runs[1]
+    if "step" in none and "step" in everything:
+        print(f"\nstep time, recompute all / none at side {plain}: {everything['step'] / none['step']:.2f}x")
+    over = [r for r in runs if "measured" in r and max(r["measured"]) > args.budget]
+    if over:
+        print("measured peak above the budget in: " + ", ".join(f"{r['recompute']} at {r['side']}" for r in over))
+    return 1 if any("failed" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""What per-stage memory policies save and cost: recomputation and offloading, priced from
+the profile's storages. ``gems.policies`` applies them; its docstring is the contract priced here.
+
+Stage [lo, hi) with policy (segments, offload), on a position with f micro-batches of it in
+flight, costs f x ``kept`` bytes plus ``extra`` bytes once (like the working memory: a
+position runs one stage at a time)::
+
+    D       = the stage input and output (the engine holds both until the backward)
+    kept    = D + what is still saved: every unit's saved storages, except that a recompute
+              segment keeps only its input (the storages crossing into its first unit)
+    offload = of that, everything beyond D goes to host memory, except storages < 64 KiB
+    extra   = back + how far the largest segment's backward rises above the stage's working
+              memory: its rematerialised bytes plus its own working memory W[a, b] (without
+              recompute, the stage's W hides under activations of later units already freed)
+              (back = what returns from the host; without recompute, A - kept)
+    peak    = static + sum over its stages of f x kept + max over them of (working + extra)
+
+A forward whose next compute action is its own backward (*immediate*, as opposed to
+*waiting*: ``gems.schedule.waiting_forwards``) offloads nothing and leaves its stage's last
+segment unchecked; it reaches the same peak. Time added per step on a position, with seconds
+per unit from FLOPs at the device rate (or measured times)::
+
+    recompute   waiting forwards x forward seconds of every segment
+              + immediate forwards x forward seconds of the segments but the last
+    offload     waiting forwards x max(0, 2 x back / host bandwidth - stage compute): the
+                copies out (in forward) and back (at backward) hide behind compute if they can
+
+On a CPU device host memory is device memory: offloading saves nothing (nor is it timed).
+
+A stage's segmentation minimises its peak: with S = bytes of the segment inputs kept and M =
+the largest segment's rematerialised bytes, each position holding it costs w S + M + c for
+constants w, c that depend on f and offloading (``best_segments``: exact, by a DP over every
+candidate value of M), then checked against two fixed segmentations at exact prices. The
+solver, which prices every [lo, hi) at once, uses "natural" segments (``PolicyModel.natural``:
+a new segment wherever the next unit saves its input anyway, so recomputing never keeps more
+than no policy; one per unit for ResNets).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gems import schedule as schedules
+from gems.errors import GemsError
+from gems.units import parse_size
+from .plan import MIN_OFFLOAD_BYTES, Plan, StagePolicy
+from .profile import ModelProfile, Storage
+
+HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 x16 class
+MODES = ("none", "auto", "all")
+KINDS = ("none", "offload", "recompute", "recompute+offload")   # from the least to the most saving
+MAX_DP_CELLS = 30_000_000    # candidate values x (units + 1)^2 that best_segments handles exactly
+
+
+def kinds(recompute: str, offload: str, device: str, budgeted: bool) -> list[str]:
+    """Policies a stage may get, least saving first: ``all`` forces a policy, ``auto`` allows
+    it (only with a memory budget to meet; never offload on a CPU device, where it saves nothing)."""
+    def choices(mode: str, useful: bool = True) -> list[bool]:
+        return {"none": [False], "all": [True], "auto": [False, True] if budgeted and useful else [False]}[mode]
+    return [KINDS[2 * r + o] for r in choices(recompute) for o in choices(offload, device != "cpu")]
+
+
+def kind_words(kind: str) -> str:
+    """"recompute+offload" -> "recompute and offload", for messages."""
+    return kind.replace("+", " and ")
+
+
+def parse_bandwidth(text: str | float) -> float:
+    """Bytes per second from 12e9, "12GB/s" or "11.2GiB/s" (sizes as ``gems.units.parse_size``)."""
+    try:
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            value = float(text)
+        else:
+            value = float(parse_size(re.sub(r"\s*/\s*s\s*$", "", str(text))))
+    except GemsError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise GemsError(f"the host bandwidth must be a positive rate such as 12GB/s or 12e9, got {text!r}")
+    return value
+
+
+def best_segments(start_cost: Sequence[int], remat: np.ndarray,
+                  terms: Sequence[tuple[float, bool, float]]) -> list[tuple[int, int]]:
+    """Cut units 0..L-1 into contiguous segments minimising max over terms (w, with_max, c) of
+
+        w * (sum of start_cost[a] over segment starts a) + (max remat[a, b] if with_max) + c
+
+    ``start_cost`` holds whole numbers (bytes); ``start_cost[0]`` is ignored (the first
+    segment's input is kept anyway); ``remat`` is (L+1) x (L+1), read for a < b. For every
+    candidate value M of the largest segment a DP finds the least start cost with every
+    segment <= M (all M at once, vectorised), so the result is exact; among equal peaks it
+    has the fewest segments. Past ``MAX_DP_CELLS`` the candidates are thinned evenly by rank
+    (stages of more than ~80 units), which may miss the optimum. Returns [(a, b), ...].
+    """
+    L = len(start_cost)
+    cost = np.rint(np.asarray(start_cost, dtype=np.float64))
+    cost[0] = 0.0
+    limits = np.unique(remat[np.triu_indices(L + 1, 1)])        # candidate values of M
+    limits = limits[limits >= remat[:L, L].min()]                 # some segment ends at L
+    most = max(2, MAX_DP_CELLS // (L + 1) ** 2)
+    if limits.size > most:
+        limits = limits[np.unique(np.linspace(0, limits.size - 1, most).round().astype(int))]
+    key = cost * (L + 1) + 1                      # total = cost * (L + 1) + segments, exactly
+    best = np.full((limits.size, L + 1), np.inf)
+    best[:, 0] = 0.0
+    parent = np.zeros((limits.size, L + 1), dtype=np.int64)
+    rows = np.arange(limits.size)
+    for j in range(1, L + 1):
+        candidates = np.where(remat[None, :j, j] <= limits[:, None], best[:, :j] + key[None, :j], np.inf)
+        parent[:, j] = np.argmin(candidates, axis=1)
+        best[:, j] = candidates[rows, parent[:, j]]
+    total = np.where(np.isfinite(best[:, L]), best[:, L], 0.0)
+    segments, starts = total % (L + 1), total // (L + 1)
+    values = np.full(limits.size, -np.inf)
+    for w, with_max, c in terms:
+        values = np.maximum(values, w * starts + (limits if with_max else 0.0) + c)
+    values[~np.isfinite(best[:, L])] = np.inf
+    k = int(np.lexsort((segments, values))[0])
+    chosen, j = [], L
+    while j > 0:
+        chosen.append((int(parent[k, j]), j))
+        j = int(parent[k, j])
+    return chosen[::-1]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A position holding a stage: its micro-batches in flight at the peak, run per step, and
+    the waiting forwards among them (module docstring)."""
+
+    position: int
+    in_flight: int
+    handled: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of one micro-batch of a stage under a policy (module docstring)."""
+
+    plain: int    # A: kept without a policy
+    kept: int     # kept per micro-batch in flight
+    back: int     # returns from the host before its backward
+    remat: int    # the largest segment's rematerialised bytes + its working memory, beyond the stage's
+
+    @property
+    def extra(self) -> int:
+        """Bytes on top of the working memory while the stage runs a backward."""
+        return self.back + self.remat
+
+
+class PolicyModel:
+    """Memory and time of policies for one profile on one device (module docstring).
+
+    ``forward_seconds`` / ``backward_seconds``: per unit, one micro-batch.
+    """
+
+    def __init__(self, profile: ModelProfile, device: str, forward_seconds: Sequence[float],
+                 backward_seconds: Sequence[float], host_bandwidth: float = HOST_BANDWIDTH) -> None:
+        self.profile, self.device, self.host_bandwidth = profile, device, host_bandwidth
+        self.offload_works = device != "cpu"
+        self.forward = np.concatenate([[0.0], np.cumsum(forward_seconds)])    # prefix sums
+        self.compute = self.forward + np.concatenate([[0.0], np.cumsum(backward_seconds)])
+        n = len(profile)
+        self.plain = profile.activation_matrix()
+        self.working = profile.working_matrix()
+        self.nbytes = np.array([s.nbytes for s in profile.storages], dtype=np.int64)
+        self.saved_by: list[list[int]] = [[] for _ in range(n)]
+        self.crossing: list[list[int]] = [[] for _ in range(n + 1)]       # [b + 1]: boundary b
+        for i, s in enumerate(profile.storages):
+            for u in s.savers:
+                self.saved_by[u].append(i)
+            for b in s.boundaries:
+                self.crossing[b + 1].append(i)
+        # A segment starts for free at unit a when a saves all it receives anyway (ResNet blocks do).
+        self.free_start = [a > 0 and all(a in profile.storages[i].savers for i in self.crossing[a]) for a in range(n)]
+        self._matrices: dict[str, np.ndarray] = {}
+
+    # -- natural segments, every [lo, hi) at once: for the solver --------------------------
+    def natural(self, lo: int, hi: int) -> list[list[int]]:
+        """Segments of [lo, hi) starting at lo and at every free start: they keep no more than
+        the stage keeps without a policy (for ResNets: one segment per unit)."""
+        starts = [lo] + [a for a in range(lo + 1, hi) if self.free_start[a]]
+        return [[a, b] for a, b in zip(starts, starts[1:] + [hi])]
+
+    def kept(self, kind: str) -> np.ndarray:
+        """K[lo, hi]: bytes kept per micro-batch in flight when every stage has ``kind``
+        (recompute: in natural segments, on the stages where it lowers the peak of one
+        micro-batch; the others keep what they keep without a policy, as ``auto`` chooses)."""
+        if not _parts(kind)[0]:
+            return self._kept(kind)
+        return self._matrix(f"kept where helps {kind}",
+                            lambda: np.where(self.helps(kind), self._kept(kind), self.plain))
+
+    def extra(self, kind: str) -> np.ndarray:
+        """X[lo, hi] >= ``StageMemory.extra`` when every stage has ``kind`` (as ``kept``;
+        exact but for the rematerialised bytes, an upper bound)."""
+        if not _parts(kind)[0]:
+            return self._extra(kind)
+        return self._matrix(f"extra where helps {kind}", lambda: np.where(self.helps(kind), self._extra(kind), 0.0))
+
+    def helps(self, kind: str) -> np.ndarray:
+        """Where recomputing lowers a stage's peak for one micro-batch: a segment's backward can
+        rise above what the whole stage needs without it (module docstring)."""
+        return self._matrix(f"helps {kind}", lambda: self._kept(kind) + self._extra(kind) < self.plain)
+
+    def _kept(self, kind: str) -> np.ndarray:
+        recompute, offload = _parts(kind)
+        offload = offload and self.offload_works
+        if not recompute and not offload:
+            return self.plain
+        n = len(self.profile)
+
+        def savers(s: Storage) -> tuple[int, ...]:     # recompute: segment starts keep their input
+            return tuple(b + 1 for b in s.boundaries if b + 1 < n and self.free_start[b + 1]) if recompute \
+                else s.savers
+        return self._matrix(f"kept {recompute} {offload}", lambda: self._union([
+            Storage(s.nbytes, savers(s), s.boundaries) for s in self.profile.storages
+            if not offload or s.nbytes < MIN_OFFLOAD_BYTES or s.boundaries], tiny_only=offload))
+
+    def _extra(self, kind: str) -> np.ndarray:
+        recompute, _ = _parts(kind)
+        if not recompute:
+            return self._matrix(f"extra {kind}", lambda: self.plain - self._kept(kind))
+        return self._matrix(f"extra {kind}", lambda: self._kept("recompute") - self._kept(kind)
+                            + np.maximum(self._largest() - self.working, 0.0))
+
+    def last_start(self) -> np.ndarray:
+        """L[lo, hi]: where the last natural segment of [lo, hi) starts."""
+        def build() -> np.ndarray:
+            n = len(self.profile)
+            latest = np.maximum.accumulate([a if a == 0 or self.free_start[a] else 0 for a in range(n)])
+            before_end = np.concatenate([[0], latest])      # [hi]: the last free start below hi
+            return np.maximum(np.arange(n + 1)[:, None], before_end[None, :])
+        return self._matrix("last start", build)
+
+    def _remat(self) -> np.ndarray:
+        """R[a, b] >= how far segment [a, b)'s backward rises above what it keeps: what it saves
+        beyond its input and output, rematerialised, plus its own working memory (which, once
+        rematerialised, no longer hides under activations of later units already freed)."""
+        return self._matrix("remat", lambda: np.maximum(self.plain - self._union(
+            [Storage(s.nbytes, (), s.boundaries) for s in self.profile.storages], False), 0.0) + self.working)
+
+    def _largest(self) -> np.ndarray:
+        """M[lo, hi]: the largest ``_remat`` over the natural segments of [lo, hi)."""
+        def build() -> np.ndarray:
+            n, remat = len(self.profile), self._remat()
+            out = np.zeros((n + 1, n + 1))
+            for lo in range(n):
+                done, start = 0.0, lo
+                for hi in range(lo + 1, n + 1):
+                    out[lo, hi] = max(done, remat[start, hi])
+                    if hi < n and self.free_start[hi]:
+                        done, start = out[lo, hi], hi
+            return out
+        return self._matrix("largest", build)
+
+    def _union(self, storages: list[Storage], tiny_only: bool) -> np.ndarray:
+        """The activation matrix of other storages: bytes of D plus storages 'saved' inside."""
+        if tiny_only:
+            storages = [s if s.nbytes < MIN_OFFLOAD_BYTES else Storage(s.nbytes, (), s.boundaries) for s in storages]
+        return replace(self.profile, storages=storages, _matrix=None, _working=None).activation_matrix()
+
+    def _matrix(self, key: str, build) -> np.ndarray:
+        if key not in self._matrices:
+            self._matrices[key] = build()
+        return self._matrices[key]
+
+    # -- one stage, exactly ---------------------------------------------------------------
+    def memory(self, lo: int, hi: int, policy: StagePolicy) -> StageMemory:
+        """Bytes of stage [lo, hi) under ``policy``, from the storages (module docstring)."""
+        boundary = set(self.crossing[lo]) | set(self.crossing[hi])
+        in_segment = np.zeros(hi - lo, dtype=bool)
+        retained = set(boundary)
+        for a, b in policy.recompute:
+            in_segment[a - lo:b - lo] = True
+            retained.update(self.crossing[a])
+        everything = set(boundary)
+        for u in range(lo, hi):
+            everything.update(self.saved_by[u])
+            if not in_segment[u - lo]:
+                retained.update(self.saved_by[u])
+        kept = retained
+        if policy.offload and self.offload_works:
+            kept = boundary | {i for i in retained if self.nbytes[i] < MIN_OFFLOAD_BYTES}
+        largest = max((self._bytes({i for u in range(a, b) for i in self.saved_by[u]} - retained)
+                       + self.working[a, b] for a, b in policy.recompute), default=0)
+        remat = int(max(0, largest - self.working[lo, hi]))   # beyond the stage's own working memory
+        kept_bytes = self._bytes(kept)
+        return StageMemory(plain=self._bytes(everything), kept=kept_bytes,
+                           back=self._bytes(retained) - kept_bytes, remat=remat)
+
+    def _bytes(self, storages: set[int]) -> int:
+        return int(self.nbytes[list(storages)].sum()) if storages else 0
+
+    def choose(self, kind: str, lo: int, hi: int, holders: Sequence[Holder]) -> StagePolicy:
+        """Stage [lo, hi) with ``kind``; recompute segments that minimise its peak on its holders."""
+        recompute, offload = _parts(kind)
+        if not recompute:
+            return StagePolicy(offload=offload)
+        natural = StagePolicy(self.natural(lo, hi), offload)
+        if hi - lo == 1:
+            return natural
+        hidden = offload and self.offload_works
+        ends = set(self.crossing[lo]) | set(self.crossing[hi])
+        D = self._bytes(ends)
+        # f (D + S) + M, or offloaded f D + S + M (the inputs come back one micro-batch at a time)
+        terms = [(1.0 if hidden else float(h.in_flight), True, float(h.in_flight * D)) for h in holders]
+        start_cost = [self._bytes(set(self.crossing[lo + j]) - ends) for j in range(hi - lo)]
+        remat = self._remat()[lo:hi + 1, lo:hi + 1]
+        chosen = StagePolicy([[lo + a, lo + b] for a, b in best_segments(start_cost, remat, terms)], offload)
+        # The DP prices approximately; the exact prices decide. Natural segments and one segment
+        # for the whole stage never keep more than no policy, so neither does the choice.
+        candidates = [p for p in (chosen, natural, StagePolicy([[lo, hi]], offload))
+                      if self.memory(lo, hi, p).kept <= self.plain[lo, hi]]
+        return min(candidates, key=lambda p: (self.peak(lo, hi, p, holders), len(p.recompute)))
+
+    def peak(self, lo: int, hi: int, policy: StagePolicy, holders: Sequence[Holder]) -> int:
+        """The stage's largest contribution to a holder's peak, working memory aside."""
+        mem = self.memory(lo, hi, policy)
+        return max(h.in_flight for h in holders) * mem.kept + mem.extra
+
+    def seconds(self, lo: int, hi: int, policy: StagePolicy, mem: StageMemory, holder: Holder) -> float:
+        """Seconds the policy adds per step on ``holder``'s position (module docstring)."""
+        total = self._rerun(hi, policy, holder, self.forward)
+        if policy.offload and self.offload_works:
+            total += holder.waiting * max(0.0, 2 * mem.back / self.host_bandwidth
+                                          - (self.compute[hi] - self.compute[lo]))
+        return float(total)
+
+    def recompute_flops(self, hi: int, policy: StagePolicy, holder: Holder) -> int:
+        """Forward FLOPs re-run per step on ``holder``'s position, for a stage ending at ``hi``."""
+        return int(self._rerun(hi, policy, holder, self.profile.unit_sums("forward_flops")))
+
+    def _rerun(self, hi: int, policy: StagePolicy, holder: Holder, prefix: np.ndarray) -> float:
+        """A per-unit quantity (prefix sums) over what recomputation re-runs: every segment of
+        a waiting forward, all but a last one ending the stage of an immediate forward."""
+        segments = sum(prefix[b] - prefix[a] for a, b in policy.recompute)
+        unchecked = 0.0
+        if policy.recompute and policy.recompute[-1][1] == hi:
+            a, b = policy.recompute[-1]
+            unchecked = prefix[b] - prefix[a]
+        return holder.waiting * segments + (holder.handled - holder.waiting) * (segments - unchecked)
+
+
+def unit_seconds(profile: ModelProfile, rate: float,
+                 unit_times: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds per unit for one micro-batch: FLOPs at ``rate`` FLOP/s, or
+    measured forward + backward ``unit_times`` split in the ratio of the FLOPs (1:2 without)."""
+    forward = np.array([u.forward_flops for u in profile.units], dtype=np.float64)
+    backward = np.array([u.backward_flops for u in profile.units], dtype=np.float64)
+    if unit_times is None:
+        return forward / rate, backward / rate
+    total = forward + backward
+    share = np.divide(forward, total, out=np.full(total.shape, 1 / 3), where=total > 0)
+    times = np.asarray(unit_times, dtype=np.float64)
+    return times * share, times * (1 - share)
+
+
+def _parts(kind: str) -> tuple[bool, bool]:
+    return "recompute" in kind, "offload" in kind
+

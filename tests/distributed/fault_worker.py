@@ -1,0 +1,180 @@
+"""Runs gems-train in this process, and on one rank SIGKILLs the process at a chosen moment
+(a real crash: no handler runs, nothing is flushed), for the fault-injection tests.
+
+    GEMS_FAULT="rank=1,at=backward,step=3" mpiexec -n 2 python tests/distributed/fault_worker.py <gems-train args>
+
+GEMS_FAULT holds comma-separated ``key=value`` pairs:
+
+- ``at``: where the rank dies. ``forward`` / ``backward``: entering a compute action; ``recv``:
+  entering a receive action, its message posted and awaited; ``send``: just after a send action
+  started its message; ``allreduce``: just after starting the gradient allreduce (only ranks with
+  a sync group have one); ``step``: entering the optimizer step, after all of the step's
+  communication; ``save``: halfway through writing a file of the checkpoint of that step, leaving
+  the half-written temporary file behind (a torn write).
+- ``step``: the training step in which it dies, numbered as ``--metrics`` numbers them (a resumed
+  run continues the count from its checkpoint); for ``save``, the step the checkpoint is of.
+- ``rank``: the world rank that dies (default 0). ``nth``: die at the nth matching moment of that
+  step (default 1). For ``save``, the nth file this rank writes: a rank of group 0 writes its
+  stage shard, then its RNG file, and rank 0 then the manifest; other ranks only their RNG file.
+- ``stage`` / ``replica``: count only actions of that stage or replica (forward, backward, recv,
+  send).
+
+If GEMS_FAULT_RECORD names a directory, the dying rank writes ``killed.json`` there just before
+dying (``{"rank", "at", "step", "what", "time"}``, ``time.time()``), and every rank that fails
+through ``Comm.guard`` writes ``failed-rank-R.json`` (``{"rank", "line", "time"}``, its one-line
+failure) before aborting: a test learns what happened from files, which an abort cannot lose the
+way it can lose a line still in the launcher's pipes. Without GEMS_FAULT this is plain gems-train.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from gems import checkpoint, trainer
+from gems.cli import train
+from gems.comm.base import Comm, failure_line
+from gems.engine import Engine
+
+KINDS = ("forward", "backward", "recv", "send", "allreduce", "step", "save")
+
+
+def parse(spec: str) -> dict[str, int | str]:
+    fault: dict[str, int | str] = {"rank": 0, "nth": 1}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        fault[key.strip()] = value.strip() if key.strip() == "at" else int(value)
+    if fault.get("at") not in KINDS or "step" not in fault or set(fault) - {"at", "step", "rank", "nth",
+                                                                          "stage", "replica"}:
+        sys.exit(f"fault_worker: GEMS_FAULT={spec!r}: want at={'|'.join(KINDS)},step=N"
+                 "[,rank=R][,nth=N][,stage=S][,replica=R]")
+    return fault
+
+
+def record(name: str, data: dict) -> None:
+    """Write ``data`` plus the time as JSON to ``name`` in $GEMS_FAULT_RECORD, if set."""
+    folder = os.environ.get("GEMS_FAULT_RECORD")
+    if folder:
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump({**data, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class Fault:
+    """Counts the moments that match the fault and kills this process at the chosen one."""
+
+    def __init__(self, fault: dict) -> None:
+        self.fault = fault
+        self.step = 0          # the training step in progress (or the checkpoint being written)
+        self.seen = 0          # matching moments so far in that step
+
+    def begin(self, step: int) -> None:
+        self.step, self.seen = step, 0
+
+    def hit(self, at: str, rank: int, action=None) -> bool:
+        """True when this is the moment; the caller then does what must precede ``die``."""
+        f = self.fault
+        if at != f["at"] or rank != f["rank"] or self.step != f["step"]:
+            return False
+        if action is not None and any(k in f and getattr(action, k) != f[k] for k in ("stage", "replica")):
+            return False
+        self.seen += 1
+        return self.seen == f["nth"]
+
+    def die(self, rank: int, what: object = "") -> None:
+        record("killed.json", {"rank": rank, "at": self.fault["at"], "step": self.step, "what": str(what)})
+        print(f"fault_worker: rank {rank} SIGKILLs itself at {self.fault['at']} {what} of step {self.step}",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(fault: Fault) -> None:
+    """Wrap the places a rank can die in; the wrappers behave as the originals on other ranks."""
+    real_run, real_step = trainer.run, Engine.step
+
+    def run(job):
+        fault.step = job.resume_state[0]["step"] if job.resume_state is not None else 0
+        return real_run(job)
+
+    def step(self, images, labels):
+        fault.begin(fault.step + 1)
+        return real_step(self, images, labels)
+
+    trainer.run, Engine.step = run, step
+
+    def before(name: str, at: str) -> None:  # die on entering the action
+        real = getattr(Engine, name)
+
+        def wrapped(self, a):
+            if fault.hit(at, self.comm.rank, a):
+                fault.die(self.comm.rank, a)
+            return real(self, a)
+        setattr(Engine, name, wrapped)
+
+    for name, at in (("_forward", "forward"), ("_backward", "backward"), ("_receive", "recv")):
+        before(name, at)
+
+    real_send, real_apply = Engine._send, Engine._apply
+
+    def send(self, a, tensors):  # die with the message started
+        real_send(self, a, tensors)
+        if fault.hit("send", self.comm.rank, a):
+            fault.die(self.comm.rank, a)
+
+    def apply(self):
+        if fault.hit("step", self.comm.rank):
+            fault.die(self.comm.rank, "optimizer step")
+        real_apply(self)
+
+    Engine._send, Engine._apply = send, apply
+
+    real_allreduce = Comm.allreduce
+
+    def allreduce(self, tensor, group, what):  # die with this rank's part of the allreduce started
+        if what == "the gradient allreduce" and fault.hit("allreduce", self.rank):
+            req = self.iallreduce(tensor, group)
+            self.test(req)
+            fault.die(self.rank, what)
+        real_allreduce(self, tensor, group, what)
+
+    Comm.allreduce = allreduce
+
+    real_fail = Comm._fail
+
+    def fail(self, exc, code):  # on every rank: note how a survivor ended
+        record(f"failed-rank-{self.rank}.json", {"rank": self.rank, "line": failure_line(self.rank, exc)})
+        real_fail(self, exc, code)
+
+    Comm._fail = fail
+
+    real_save, real_write = checkpoint.save, checkpoint._write_atomic
+    saving = {"rank": -1}
+
+    def save(engine, directory, step, *args, **kwargs):
+        saving["rank"] = engine.comm.rank
+        fault.begin(step)  # the same step as training's: a checkpoint is saved after its step
+        return real_save(engine, directory, step, *args, **kwargs)
+
+    def write_atomic(path, write):
+        if not fault.hit("save", saving["rank"]):
+            return real_write(path, write)
+
+        def torn(f):
+            write(f)
+            f.flush()
+            f.truncate(f.tell() // 2)
+            os.fsync(f.fileno())
+            fault.die(saving["rank"], path.name)
+        return real_write(path, torn)
+
+    checkpoint.save, checkpoint._write_atomic = save, write_atomic
+
+
+if __name__ == "__main__":
+    spec = os.environ.get("GEMS_FAULT")
+    if spec:
+        install(Fault(parse(spec)))
+    train.main(sys.argv[1:])
