@@ -124,9 +124,7 @@ def test_two_ranks_with_different_model_files_stop_before_training(tmp_path):
     ("mpi", 4, "16 bytes received but buffer size is 20; the ranks disagree on the boundary shapes or dtypes"),
     ("mpi", 6, "tensor 0 brought 20 bytes for a 24-byte buffer; the ranks disagree on the boundary shapes"),
     ("torch", 4, "Received data size doesn't match expected size"),   # gloo aborts the receiving process
-    pytest.param("torch", 6, "", marks=pytest.mark.xfail(
-        strict=True, reason="gloo fills the first bytes of a larger buffer and reports success; the engine "
-                            "would need to check boundary shapes itself")),
+    ("torch", 6, "tensor 0 from rank 0 brought 20 bytes for a 24-byte buffer; the ranks disagree"),
 ])
 def test_a_received_tensor_of_the_wrong_size_is_an_error_not_a_hang(backend, elements, message):
     result = run_mpi(2, DISTRIBUTED / "comm_worker.py", backend, "mismatch", elements, timeout=90, check=False)

@@ -76,6 +76,12 @@ def _collective_test(work: Any) -> Any:
     return lambda: _finished(work)
 
 
+def _sizes(wires: list[Tensor]) -> Tensor:
+    """The byte sizes of a message's tensors, on their device (NCCL carries only CUDA tensors)."""
+    device = wires[0].device if wires else torch.device("cpu")
+    return torch.tensor([w.numel() * w.element_size() for w in wires], dtype=torch.int64, device=device)
+
+
 def _rendezvous(world: Any, timeout: float) -> dist.TCPStore:
     """The TCP store every rank connects to, opened by rank 0 on a port the OS chooses."""
     if world.rank == 0:
@@ -123,19 +129,33 @@ class TorchComm(Comm):
         return None if group is None else group.handle
 
     def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:
-        tags = [message_tag(tag, i, TAG_UB) for i in range(len(tensors))]
         wires = [t.detach().contiguous() for t in tensors]
+        wires = [_sizes(wires), *wires]   # byte sizes first: see irecv
+        tags = [message_tag(tag, i, TAG_UB) for i in range(len(wires))]
         works = [dist.isend(w, dst, tag=wire_tag) for w, wire_tag in zip(wires, tags)]
         return Request(_p2p_test(works, [w.is_cuda for w in wires]),
                        f"send to rank {dst}, tag {tag}", wires)
 
     def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
-        tags = [message_tag(tag, i, TAG_UB) for i in range(len(buffers))]
+        """Gloo fills a larger buffer with a smaller message and reports success, and NCCL does
+        not check sizes at all, so every message starts with its tensors' byte sizes, checked
+        on completion: a mismatch is a clear error, never a silently short tensor."""
         wires = [t.detach() if t.is_contiguous() else
                  torch.empty_like(t, memory_format=torch.contiguous_format) for t in buffers]
+        expected = [w.numel() * w.element_size() for w in wires]
+        sizes = torch.empty_like(_sizes(wires))
+        wires = [sizes, *wires]
+        tags = [message_tag(tag, i, TAG_UB) for i in range(len(wires))]
         works = [dist.irecv(w, src, tag=wire_tag) for w, wire_tag in zip(wires, tags)]
-        pairs = [(t, w) for t, w in zip(buffers, wires) if not t.is_contiguous()]
-        finish = (lambda: [t.detach().copy_(w) for t, w in pairs]) if pairs else None
+        pairs = [(t, w) for t, w in zip(buffers, wires[1:]) if not t.is_contiguous()]
+
+        def finish() -> None:
+            for i, (got, want) in enumerate(zip(sizes.tolist(), expected)):
+                if got != want:
+                    raise GemsError(f"tensor {i} from rank {src} brought {got} bytes for a {want}-byte buffer; the "
+                                    "ranks disagree on the boundary shapes or dtypes: give every rank the same plan")
+            for t, w in pairs:
+                t.detach().copy_(w)
         return Request(_p2p_test(works, [w.is_cuda for w in wires]),
                        f"recv from rank {src}, tag {tag}", wires, finish)
 
