@@ -43,10 +43,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gems import schedule as schedules
 from gems.errors import GemsError
 from gems.units import parse_size
-from .plan import MIN_OFFLOAD_BYTES, Plan, StagePolicy
+from .plan import MIN_OFFLOAD_BYTES, StagePolicy
 from .profile import ModelProfile, Storage
 
 HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 x16 class
