@@ -25,7 +25,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch import Tensor
 
-from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, message_tag, placement
+from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, Request, check_group_ranks, message_tag,
+                             placement)
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings
@@ -74,6 +75,12 @@ def _finished(work: Any) -> bool:
 
 def _collective_test(work: Any) -> Any:
     return lambda: _finished(work)
+
+
+def _check_count(n: int) -> None:
+    if n >= TENSORS_PER_MESSAGE:   # one wire tag of each message carries the sizes
+        raise GemsError(f"the torch backend moves at most {TENSORS_PER_MESSAGE - 1} tensors per message; "
+                        f"pack the stage boundary into fewer tensors (got {n})")
 
 
 def _sizes(wires: list[Tensor]) -> Tensor:
@@ -129,6 +136,7 @@ class TorchComm(Comm):
         return None if group is None else group.handle
 
     def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:
+        _check_count(len(tensors))
         wires = [t.detach().contiguous() for t in tensors]
         wires = [_sizes(wires), *wires]   # byte sizes first: see irecv
         tags = [message_tag(tag, i, TAG_UB) for i in range(len(wires))]
@@ -140,6 +148,7 @@ class TorchComm(Comm):
         """Gloo fills a larger buffer with a smaller message and reports success, and NCCL does
         not check sizes at all, so every message starts with its tensors' byte sizes, checked
         on completion: a mismatch is a clear error, never a silently short tensor."""
+        _check_count(len(buffers))
         wires = [t.detach() if t.is_contiguous() else
                  torch.empty_like(t, memory_format=torch.contiguous_format) for t in buffers]
         expected = [w.numel() * w.element_size() for w in wires]
