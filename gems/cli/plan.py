@@ -144,7 +144,7 @@ def _plan(args: argparse.Namespace) -> None:
                    balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
-                   efficiency=args.efficiency)
+                   efficiency=args.efficiency, profiles={})   # each micro-batch size profiled once
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return
@@ -192,18 +192,18 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
 
 
 def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
-    """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (the profile of each micro-batch
-    size is made once), simulated, filtered by the memory budget, fastest first."""
+    """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (``options`` shares the profiles
+    of each micro-batch size), simulated, filtered by the memory budget, fastest first."""
     from gems.partition import plan
     from gems.simulate import V100_CLUSTER, costs_from_plan, sweep
 
-    world, profiles, plans, over = args.sweep, {}, {}, []
+    world, plans, over = args.sweep, {}, []
     rate = args.device_tflops * 1e12
 
     def costs_for(name: str, K: int, m: int, D: int):
         try:
             p = plan(model, shape, **{**options, "stages": K, "schedule": name, "micro_batches": m, "groups": D,
-                                      "balance": None, "profiles": profiles})
+                                      "balance": None})
         except GemsError:          # the batch does not split, more stages than units, nothing fits
             return None
         plans[name, K, m] = p
