@@ -54,13 +54,15 @@ def parse(spec: str) -> dict[str, int | str]:
 
 
 def record(name: str, data: dict) -> None:
-    """Write ``data`` plus the time as JSON to ``name`` in $GEMS_FAULT_RECORD, if set."""
+    """Write ``data`` plus the time as JSON to ``name`` in $GEMS_FAULT_RECORD, if set, whole or not at all."""
     folder = os.environ.get("GEMS_FAULT_RECORD")
-    if folder:
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+    if folder:  # write then rename: another rank's abort may kill this one mid-write
+        part = os.path.join(folder, f".{name}.{os.getpid()}")
+        with open(part, "w", encoding="utf-8") as f:
             json.dump({**data, "time": time.time()}, f)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(part, os.path.join(folder, name))
 
 
 class Fault:
