@@ -50,8 +50,10 @@ class StagePolicy:
 
     @property
     def label(self) -> str:
-        """``kind`` with the number of recompute segments, e.g. "recompute x3+offload"."""
-        return self.kind.replace("recompute", f"recompute x{len(self.recompute)}")
+        """``kind`` with the recompute segments and the units they cover, e.g.
+        "recompute x3 (12 units)+offload"."""
+        units = sum(end - first for first, end in self.recompute)
+        return self.kind.replace("recompute", f"recompute x{len(self.recompute)} ({units} units)")
 
 
 @dataclass

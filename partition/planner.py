@@ -8,6 +8,8 @@ stage and cuts with it priced in; ``auto`` (with a memory budget) keeps the plai
 fits, else makes every stage as lean as allowed -- on the plain cuts and on cuts balanced for
 that lean memory, keeping the faster of the two that fit -- and then, stage by stage from the
 one whose lean policy costs the most time, relaxes to the cheapest policy that still fits.
+A stage's choices include recomputing only some of its segments (``PolicyModel.partial``), so
+a budget a little short of the plain plan costs a little recomputation, not a whole stage's.
 
 With a memory budget that the requested K misses, the plan also names the smallest K that
 would fit with the leanest allowed policy, checking K+1, K+2, ...: lower bounds rule most out
@@ -164,13 +166,17 @@ def _relax(job: _Job, costs: CostModel, cuts: list[int], allowed: list[str]) -> 
     start from the leanest everywhere, then relax the stages greedily, the one whose lean
     policy costs the most time first. None when even the leanest does not fit."""
     K = costs.K
-    options = []
+    options, leanest = [], []
     for s in range(K):
+        lo, hi, holders = cuts[s], cuts[s + 1], costs.holders(s)
         found = {}
-        for kind in allowed:
-            policy = job.policies.choose(kind, cuts[s], cuts[s + 1], costs.holders(s))
-            found.setdefault(repr(policy), (policy, job.stage(costs, cuts, s, policy)))
+        for kind in allowed:   # least saving first: the last kind's own choice is the leanest
+            whole = job.policies.choose(kind, lo, hi, holders)
+            for policy in [whole, *job.policies.partial(kind, lo, hi, holders),
+                           *job.policies.partial(kind, lo, hi, holders, whole.recompute)]:
+                found.setdefault(repr(policy), (policy, job.stage(costs, cuts, s, policy)))
         options.append(sorted(found.values(), key=lambda option: sum(c.seconds for c in option[1].values())))
+        leanest.append(next(i for i, (policy, _) in enumerate(options[-1]) if policy == whole))
     static = [sum(job.static(cuts, s) for s in costs.holds(p)) for p in range(K)]
 
     def fits(choice: list[int]) -> bool:
@@ -183,7 +189,6 @@ def _relax(job: _Job, costs: CostModel, cuts: list[int], allowed: list[str]) -> 
     def seconds(s: int, i: int) -> float:
         return sum(c.seconds for c in options[s][i][1].values())
 
-    leanest = [next(i for i, (policy, _) in enumerate(o) if policy.kind == allowed[-1]) for o in options]
     if not fits(leanest):
         return None
     choice = leanest

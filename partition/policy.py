@@ -52,6 +52,7 @@ HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 
 MODES = ("none", "auto", "all")
 KINDS = ("none", "offload", "recompute", "recompute+offload")   # from the least to the most saving
 MAX_DP_CELLS = 30_000_000    # candidate values x (units + 1)^2 that best_segments handles exactly
+MAX_PARTIAL = 32             # partial-recompute policies tried per stage and kind
 
 
 def kinds(recompute: str, offload: str, device: str, budgeted: bool) -> list[str]:
@@ -316,6 +317,30 @@ class PolicyModel:
         candidates = [p for p in (chosen, natural, StagePolicy([[lo, hi]], offload))
                       if self.memory(lo, hi, p).kept <= self.plain[lo, hi]]
         return min(candidates, key=lambda p: (self.peak(lo, hi, p, holders), len(p.recompute)))
+
+    def partial(self, kind: str, lo: int, hi: int, holders: Sequence[Holder],
+                segments: Sequence[Sequence[int]] | None = None, most: int = MAX_PARTIAL) -> list[StagePolicy]:
+        """Stage [lo, hi) with ``kind`` recomputing only some of ``segments`` (default: the
+        natural ones), for a budget that needs less than the whole stage recomputed: the
+        segments ranked by bytes saved per second re-run on ``holders`` (free ones first, such
+        as the last of an immediate forward), then the policies recomputing the first 1, 2, ...
+        of them (not all; at most ``most``, evenly spaced)."""
+        recompute, offload = _parts(kind)
+        segments = [list(s) for s in (self.natural(lo, hi) if segments is None else segments)]
+        if not recompute or len(segments) < 2:
+            return []
+        base = self.memory(lo, hi, StagePolicy(offload=offload)).kept
+        ranked = []
+        for segment in segments:
+            alone = StagePolicy([segment], offload)
+            saved = base - self.memory(lo, hi, alone).kept
+            cost = sum(self._rerun(hi, alone, h, self.forward) for h in holders)
+            if saved > 0:
+                ranked.append((-saved / cost if cost > 0 else -np.inf, segment[0], segment))
+        ranked.sort()
+        longest = len(ranked) - (len(ranked) == len(segments))
+        counts = np.unique(np.linspace(1, longest, min(most, longest)).round().astype(int)) if longest else []
+        return [StagePolicy(sorted(segment for _, _, segment in ranked[:count]), offload) for count in counts]
 
     def peak(self, lo: int, hi: int, policy: StagePolicy, holders: Sequence[Holder]) -> int:
         """The stage's largest contribution to a holder's peak, working memory aside."""

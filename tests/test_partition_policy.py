@@ -136,6 +136,33 @@ def test_auto_picks_nothing_when_it_fits_and_the_cheapest_policy_when_tight():
     assert on_cpu.fits and not any(p.offload for p in on_cpu.policies)
 
 
+def test_partial_recompute_chains_the_segments_that_save_most_per_second():
+    prof = profile(resnet18(), (3, 128, 128), 1)
+    prices = PolicyModel(prof, "cuda", *unit_seconds(prof, 1e12))
+    n, holders = len(prof), CostModel(prof, "gpipe", 1, 2).holders(0)
+    natural = prices.natural(0, n)
+    chain = prices.partial("recompute", 0, n, holders)
+    assert chain and all(p.recompute and set(map(tuple, p.recompute)) < set(map(tuple, natural)) for p in chain)
+    assert all(p.recompute == sorted(p.recompute) for p in chain)
+    kept = [prices.memory(0, n, p).kept for p in chain]
+    assert kept == sorted(kept, reverse=True) and kept[0] < prices.memory(0, n, StagePolicy()).kept
+    covered = [sum(b - a for a, b in p.recompute) for p in chain]
+    assert covered == sorted(covered) and covered[-1] < n
+    assert len(prices.partial("recompute", 0, n, holders, most=3)) == 3
+    assert prices.partial("offload", 0, n, holders) == [] and prices.partial("recompute", 0, 1, holders) == []
+
+
+def test_auto_recomputes_only_what_a_slightly_short_budget_needs():
+    args = dict(input_shape=(3, 512, 512), batch_size=4, stages=2, schedule="gpipe", micro_batches=2)
+    plain = plan(resnet18(), **args)
+    lean = plan(resnet18(), **args, recompute="all")
+    short = plan(resnet18(), **args, memory_budget=plain.peak_bytes * 19 // 20, recompute="auto")
+    assert short.fits and short.peak_bytes <= plain.peak_bytes * 19 // 20
+    covered = sum(b - a for p in short.policies for a, b in p.recompute)
+    assert 0 < covered < sum(b - a for p in lean.policies for a, b in p.recompute)
+    assert 0 < max(p.extra_seconds for p in short.positions) < max(p.extra_seconds for p in lean.positions)
+
+
 def test_auto_without_a_budget_is_none():
     p = plan(toy_model(), SHAPE, 2, 2, recompute="auto", offload="auto")
     assert all(q.kind == "none" for q in p.policies) and p.step_seconds is None
