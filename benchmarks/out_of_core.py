@@ -7,14 +7,16 @@ the plan's memory estimate is to the measured peak.
 1. For each policy mode (``none``, ``auto``), the largest image side (a multiple of
    ``--side-step``) whose plan fits the budget: ``gems.partition.plan`` on fake tensors,
    binary search.
-2. Real runs, ``mpiexec -n K gems-train`` on CPU ranks (one thread each): ``none`` at its
-   largest side, ``auto`` at its largest side, and ``--recompute all`` at the ``none``
-   side (the price of recomputing everything where both fit). Each run reports its step
-   time (median, first and last steps excluded) and every rank's measured tensor peak over
-   the last step next to the plan's estimate (gems-train's summary).
-3. A table and the ratios: side with policies / side without (target >= 2), step time of
-   ``recompute all`` / ``none`` at the same side (target <= 1.35), estimate errors
-   (target within 10%).
+2. Real runs, ``mpiexec -n K gems-train`` on CPU ranks (one thread each): ``none`` and
+   ``--recompute all`` at the ``none`` side (at and below it, ``auto`` chooses ``none``);
+   ``auto`` at ``--between`` sides between the two and at its largest side, each next to
+   ``none`` at the same side without the budget (a time reference that needs more memory
+   than the budget). Each run reports its step time (median, first and last steps
+   excluded) and every rank's measured tensor peak over the last step next to the plan's
+   estimate (gems-train's summary).
+3. A table: side, run, per-stage policies, step time, its ratio to ``none`` at the same
+   side (the price of the policies; target <= 1.35), and the estimate errors (target within
+   10%); and the side with policies / the side without (target >= 2).
 
 Not part of the installed package, and not a test: timings belong here, not in pytest.
 """
@@ -34,7 +36,7 @@ from gems.errors import GemsError
 from gems.partition import plan
 from gems.units import format_size, parse_size
 
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = os.environ.get("GEMS_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
 GEMS_TRAIN = str(Path(sys.executable).parent / "gems-train")
 
 
@@ -64,28 +66,29 @@ def largest_side(model, args, mode: str) -> int:
     return lo * step
 
 
-def train(model, args, side: int, recompute: str) -> dict:
-    """One gems-train run; its summary parsed: step time, measured and estimated peaks."""
+def train(model, args, side: int, recompute: str, budgeted: bool = True) -> dict:
+    """One gems-train run; its summary parsed: step time, measured and estimated peaks.
+    ``budgeted=False`` runs without --memory-budget (a reference over the budget: time only)."""
     offload = "auto" if recompute == "auto" else "none"
-    kinds = sorted({p.kind for p in planned(model, side, args, recompute, offload).policies})
+    labels = [p.label for p in planned(model, side, args, recompute, offload).policies]
     command = [MPIEXEC, "-n", str(args.stages), GEMS_TRAIN, "--model", args.model, "--num-classes", "10",
                "--image-size", str(side), "--batch-size", str(args.batch_size), "--stages", str(args.stages),
                "--schedule", args.schedule, "--micro-batches", str(args.micro_batches), "--steps", str(args.steps),
-               "--memory-budget", str(args.budget), "--recompute", recompute, "--offload", offload,
-               "--workers", "0", "--no-progress"]
-    if args.enforce:
+               "--recompute", recompute, "--offload", offload, "--workers", "0", "--no-progress"]
+    if budgeted:
+        command += ["--memory-budget", str(args.budget)]
+    if args.enforce and budgeted:
         command.append("--enforce-memory-budget")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = {"side": side, "run": recompute if budgeted else f"{recompute}, no budget", "policies": labels}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
     if result.returncode != 0:
-        return {"side": side, "recompute": recompute, "failed": (result.stderr or result.stdout).strip()[-300:]}
+        return {**run, "failed": (result.stderr or result.stdout).strip()[-300:]}
     out = result.stdout
     ranks = re.findall(r"rank (\d+) \(position \d+\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated", out)
-    return {"side": side, "recompute": recompute,
-            "step": float(re.search(r"step time\s+([\d.]+) s", out).group(1)),
+    return {**run, "step": float(re.search(r"step time\s+([\d.]+) s", out).group(1)),
             "measured": [parse_size(m.replace(" ", "")) for _, m, _ in ranks],
-            "estimated": [parse_size(e.replace(" ", "")) for _, _, e in ranks],
-            "policies": kinds}
+            "estimated": [parse_size(e.replace(" ", "")) for _, _, e in ranks]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--side-step", type=int, default=16)
     p.add_argument("--max-side", type=int, default=1024)
+    p.add_argument("--between", type=int, default=2,
+                   help="sides between the two largest at which auto also runs (evenly spaced)")
     p.add_argument("--enforce", action="store_true", help="also make the budget a hard limit (--enforce-memory-budget)")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
@@ -110,21 +115,30 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {format_size(args.budget)} per rank: largest side {plain} without policies, {policed} with "
           f"auto -> {policed / max(plain, 1):.2f}x the side, {(policed / max(plain, 1)) ** 2:.2f}x the pixels",
           flush=True)
-    runs = [train(model, args, plain, "none"), train(model, args, plain, "all"), train(model, args, policed, "auto")]
-    print(f"\n{'side':>5}  {'--recompute':11}  {'policies':28}  {'step (s)':>8}  per rank: measured / estimated (error)")
+    at_plain = [p.kind for p in planned(model, plain, args, "auto", "auto").policies]
+    print(f"at side {plain} (and below) auto chooses {','.join(at_plain)}: the step time of the no-policy run")
+    step = args.side_step
+    sides = sorted({round((plain + (policed - plain) * i / (args.between + 1)) / step) * step
+                    for i in range(1, args.between + 2)} - {plain})
+    runs = [train(model, args, plain, "none"), train(model, args, plain, "all")]
+    for side in sides:
+        runs += [train(model, args, side, "auto"), train(model, args, side, "none", budgeted=False)]
+
+    reference = {r["side"]: r["step"] for r in runs if r["run"].startswith("none") and "step" in r}
+    print(f"\n{'side':>5}  {'run':17}  {'policies':44}  {'step (s)':>8}  {'/ none':>6}  "
+          "per rank: measured / estimated (error)")
     for r in runs:
         if "failed" in r:
-            print(f"{r['side']:>5}  {r['recompute']:11}  FAILED: {r['failed']}")
+            print(f"{r['side']:>5}  {r['run']:17}  FAILED: {r['failed']}")
             continue
+        ratio = f"{r['step'] / reference[r['side']]:.2f}x" if r["side"] in reference else "-"
         ranks = "; ".join(f"{format_size(m)} / {format_size(e)} ({e / m - 1:+.1%})"
-                          for m, e in zip(r["measured"], r["estimated"]))
-        print(f"{r['side']:>5}  {r['recompute']:11}  {','.join(r['policies']):28}  {r['step']:>8.3f}  {ranks}")
-    none, everything = runs[0], runs[1]
-    if "step" in none and "step" in everything:
-        print(f"\nstep time, recompute all / none at side {plain}: {everything['step'] / none['step']:.2f}x")
-    over = [r for r in runs if "measured" in r and max(r["measured"]) > args.budget]
+                          for m, e in zip(r["measured"], r["estimated"])) if "no budget" not in r["run"] \
+            else "(over the budget: time reference only)"
+        print(f"{r['side']:>5}  {r['run']:17}  {' | '.join(r['policies']):44}  {r['step']:>8.3f}  {ratio:>6}  {ranks}")
+    over = [r for r in runs if "measured" in r and "no budget" not in r["run"] and max(r["measured"]) > args.budget]
     if over:
-        print("measured peak above the budget in: " + ", ".join(f"{r['recompute']} at {r['side']}" for r in over))
+        print("measured peak above the budget in: " + ", ".join(f"{r['run']} at {r['side']}" for r in over))
     return 1 if any("failed" in r for r in runs) else 0
 
 

@@ -9,10 +9,12 @@ position runs one stage at a time)::
     kept    = D + what is still saved: every unit's saved storages, except that a recompute
               segment keeps only its input (the storages crossing into its first unit)
     offload = of that, everything beyond D goes to host memory, except storages < 64 KiB
-    extra   = back + how far the largest segment's backward rises above the stage's working
-              memory: its rematerialised bytes plus its own working memory W[a, b] (without
-              recompute, the stage's W hides under activations of later units already freed)
-              (back = what returns from the host; without recompute, A - kept)
+    extra   = back + how far the highest segment backward rises above what the stage retains
+              (on the device or back from the host) plus its working memory: while segment
+              [a, b) runs its backward, the device holds D, what units < b retain (the later
+              ones are done and freed), the segment's rematerialised bytes and its own working
+              memory W[a, b] (without recompute, the stage's W hides under activations of later
+              units already freed) (back = what returns from the host; without recompute, A - kept)
     peak    = static + sum over its stages of f x kept + max over them of (working + extra)
 
 A forward whose next compute action is its own backward (*immediate*, as opposed to
@@ -286,9 +288,21 @@ class PolicyModel:
         kept = retained
         if policy.offload and self.offload_works:
             kept = boundary | {i for i in retained if self.nbytes[i] < MIN_OFFLOAD_BYTES}
-        largest = max((self._bytes({i for u in range(a, b) for i in self.saved_by[u]} - retained)
+        # The backward runs the stage from its last unit down: while segment [a, b) is
+        # rematerialised, what units >= b alone held for backward is already freed.
+        held_from = {}                                  # storage -> first unit holding it for backward
+        for u in range(lo, hi):
+            if not in_segment[u - lo]:
+                for i in self.saved_by[u]:
+                    held_from.setdefault(i, u)
+        for a, _ in policy.recompute:
+            for i in self.crossing[a]:
+                held_from[i] = min(held_from.get(i, a), a)
+        largest = max((self._bytes(boundary | {i for i in retained if held_from.get(i, lo) < b})
+                       + self._bytes({i for u in range(a, b) for i in self.saved_by[u]} - retained)
                        + self.working[a, b] for a, b in policy.recompute), default=0)
-        remat = int(max(0, largest - self.working[lo, hi]))   # beyond the stage's own working memory
+        # beyond what the stage holds anyway: all it retains, plus its own working memory
+        remat = int(max(0, largest - self._bytes(retained) - self.working[lo, hi]))
         kept_bytes = self._bytes(kept)
         return StageMemory(plain=self._bytes(everything), kept=kept_bytes,
                            back=self._bytes(retained) - kept_bytes, remat=remat)

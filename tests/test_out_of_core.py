@@ -1,0 +1,38 @@
+"""benchmarks/out_of_core.py runs end to end on a small model and prints well-formed figures
+(the figures themselves belong to the benchmark, not to a test)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO, mpiexec
+
+SCRIPT = REPO / "benchmarks" / "out_of_core.py"
+ROW = re.compile(r"^\s*(\d+)  (none, no budget|none|all|auto)\s+(.+?)\s+([\d.]+)\s+([\d.]+)x  (.*)$", re.M)
+
+
+def test_out_of_core_benchmark_reports_sides_policies_times_and_estimates():
+    env = {**os.environ, "GEMS_MPIEXEC": mpiexec()}
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", "preact-resnet110", "--budget", "40MiB",
+                             "--side-step", "8", "--max-side", "128", "--steps", "3", "--between", "1"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    plain, policed = map(int, re.search(r"largest side (\d+) without policies, (\d+) with auto", out).groups())
+    assert 0 < plain < policed
+    assert f"at side {plain} (and below) auto chooses none,none" in out
+    rows = ROW.findall(out)
+    sides = sorted({int(side) for side, run, *_ in rows if run == "auto"})
+    assert [(int(side), run) for side, run, *_ in rows] == \
+        [(plain, "none"), (plain, "all")] + [(s, r) for s in sides for r in ("auto", "none, no budget")]
+    assert sides[-1] == policed and all(plain < s for s in sides)
+    for side, run, policies, step, ratio, ranks in rows:
+        assert float(step) > 0 and len(policies.split(" | ")) == 2
+        assert float(ratio) == 1.0 if run.startswith("none") else float(ratio) > 0
+        if run == "auto":
+            assert "recompute" in policies
+        if "no budget" not in run:
+            errors = [float(e) for e in re.findall(r"\(([+-][\d.]+)%\)", ranks)]
+            assert len(errors) == 2 and all(abs(e) < 50 for e in errors), ranks
