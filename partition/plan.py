@@ -53,7 +53,7 @@ class StagePolicy:
         """``kind`` with the recompute segments and the units they cover, e.g.
         "recompute x3 (12 units)+offload"."""
         units = sum(end - first for first, end in self.recompute)
-        return self.kind.replace("recompute", f"recompute x{len(self.recompute)} ({units} units)")
+        return self.kind.replace("recompute", f"recompute x{len(self.recompute)} ({units} unit{'s' * (units != 1)})")
 
 
 @dataclass
