@@ -13,7 +13,8 @@ the plan's memory estimate is to the measured peak.
    ``none`` at the same side without the budget (a time reference that needs more memory
    than the budget). Each run reports its step time (median, first and last steps
    excluded) and every rank's measured tensor peak over the last step next to the plan's
-   estimate (gems-train's summary).
+   estimate (gems-train's summary). ``--repeat N`` runs each pair N times, alternating, and
+   keeps the median: step times on shared machines drift by 10-20% between launches.
 3. A table: side, run, per-stage policies, step time, its ratio to ``none`` at the same
    side (the price of the policies; target <= 1.35), and the estimate errors (target within
    10%); and the side with policies / the side without (target >= 2).
@@ -91,6 +92,15 @@ def train(model, args, side: int, recompute: str, budgeted: bool = True) -> dict
             "estimated": [parse_size(e.replace(" ", "")) for _, _, e in ranks]}
 
 
+def _median_run(trials: list[dict]) -> dict:
+    """The trial with the median step time (the first failure, if any failed)."""
+    failed = [t for t in trials if "failed" in t]
+    if failed:
+        return failed[0]
+    ordered = sorted(trials, key=lambda t: t["step"])
+    return {**ordered[(len(ordered) - 1) // 2], "steps": [t["step"] for t in trials]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="preact-resnet110")
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-side", type=int, default=1024)
     p.add_argument("--between", type=int, default=2,
                    help="sides between the two largest at which auto also runs (evenly spaced)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each pair (alternating); the table shows the median, its row the spread")
     p.add_argument("--enforce", action="store_true", help="also make the budget a hard limit (--enforce-memory-budget)")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
@@ -120,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     step = args.side_step
     sides = sorted({round((plain + (policed - plain) * i / (args.between + 1)) / step) * step
                     for i in range(1, args.between + 2)} - {plain})
-    runs = [train(model, args, plain, "none"), train(model, args, plain, "all")]
-    for side in sides:
-        runs += [train(model, args, side, "auto"), train(model, args, side, "none", budgeted=False)]
+    pairs = [(plain, ("none", True), ("all", True))] + [(side, ("auto", True), ("none", False)) for side in sides]
+    runs = []
+    for side, *pair in pairs:   # each pair alternates --repeat times: the machine's drift hits both
+        trials = [[train(model, args, side, recompute, budgeted) for recompute, budgeted in pair]
+                  for _ in range(args.repeat)]
+        runs += [_median_run([t[i] for t in trials]) for i in range(2)]
 
     reference = {r["side"]: r["step"] for r in runs if r["run"].startswith("none") and "step" in r}
     print(f"\n{'side':>5}  {'run':17}  {'policies':44}  {'step (s)':>8}  {'/ none':>6}  "
@@ -135,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         ranks = "; ".join(f"{format_size(m)} / {format_size(e)} ({e / m - 1:+.1%})"
                           for m, e in zip(r["measured"], r["estimated"])) if "no budget" not in r["run"] \
             else "(over the budget: time reference only)"
-        print(f"{r['side']:>5}  {r['run']:17}  {' | '.join(r['policies']):44}  {r['step']:>8.3f}  {ratio:>6}  {ranks}")
+        spread = f"  (runs: {', '.join(f'{t:.3f}' for t in r['steps'])})" if len(r["steps"]) > 1 else ""
+        print(f"{r['side']:>5}  {r['run']:17}  {' | '.join(r['policies']):44}  {r['step']:>8.3f}  {ratio:>6}  {ranks}"
+              f"{spread}")
     over = [r for r in runs if "measured" in r and "no budget" not in r["run"] and max(r["measured"]) > args.budget]
     if over:
         print("measured peak above the budget in: " + ", ".join(f"{r['run']} at {r['side']}" for r in over))

@@ -269,24 +269,41 @@ def _run(lists: list[list[Action]]) -> None:
         raise ValueError("deadlock: " + "; ".join(stuck))
 
 
-def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
-    """Per position, {stage: most micro-batches of that stage alive at once}.
+def moments(actions: list[Action]) -> list[tuple[int, dict[int, int]]]:
+    """Every distinct moment of one position's compute actions, in order: (the stage
+    computed, {stage: micro-batches alive}).
 
-    A micro-batch is alive on a stage from its forward until its backward; under ``mast``
-    both replicas of a shared middle stage count together. The partitioner multiplies the
-    activation bytes of one micro-batch by this count (a safe bound: it sums per-stage
-    maxima, which may not coincide in time).
+    A micro-batch is alive on a stage from the start of its forward to the end of its
+    backward (the one computed counts); under ``mast`` both replicas of a shared middle stage
+    count together. A position's memory peaks at one of these moments: the planner prices
+    each as what every live micro-batch keeps plus the working memory of the stage computed.
     """
-    peaks = []
+    live: dict[int, int] = {}
+    seen: list[tuple[int, dict[int, int]]] = []
+    for a in actions:
+        if a.op not in COMPUTE:
+            continue
+        if a.op == FORWARD:
+            live[a.stage] = live.get(a.stage, 0) + 1
+        moment = (a.stage, dict(sorted(live.items())))
+        if moment not in seen:
+            seen.append(moment)
+        if a.op == BACKWARD:
+            live[a.stage] -= 1
+            if not live[a.stage]:
+                del live[a.stage]
+    return seen
+
+
+def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
+    """Per position, {stage: most micro-batches of that stage alive at once} (``moments``).
+    The solver multiplies one micro-batch's activation bytes by it: a safe bound, since it
+    sums per-stage maxima that may not coincide in time."""
+    out = []
     for actions in schedule(name, K, m):
-        live: dict[int, int] = {}
-        peak: dict[int, int] = {}
-        for a in actions:
-            if a.op in COMPUTE:
-                live[a.stage] = live.get(a.stage, 0) + (1 if a.op == FORWARD else -1)
-                peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
-        peaks.append(dict(sorted(peak.items())))
-    return peaks
+        alive = [live for _, live in moments(actions)]
+        out.append({s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})})
+    return out
 
 
 def waiting_forwards(actions: list[Action]) -> list[Action]:

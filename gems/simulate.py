@@ -238,14 +238,8 @@ def _peak_activations(actions: list[sch.Action], activation_bytes: Sequence[int]
     end; one position runs one action at a time, so list order is time order."""
     if activation_bytes is None:
         return 0
-    live = peak = 0
-    for a in actions:
-        if a.op == sch.FORWARD:
-            live += activation_bytes[a.stage]
-            peak = max(peak, live)
-        elif a.op == sch.BACKWARD:
-            live -= activation_bytes[a.stage]
-    return peak
+    return max((sum(n * activation_bytes[s] for s, n in live.items()) for _, live in sch.moments(actions)),
+               default=0)
 
 
 def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = EFFICIENCY) -> Costs:

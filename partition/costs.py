@@ -64,6 +64,14 @@ def _or(matrix, default):
     return default if matrix is None else matrix
 
 
+def highest(moments: list[tuple[int, dict[int, int]]], kept: dict[int, int],
+            transient: dict[int, int]) -> tuple[dict[int, int], int, int]:
+    """A position's highest moment (``gems.schedule.moments``): its live micro-batches per
+    stage, the bytes they keep and the transient bytes of the stage computed then."""
+    return max(((live, sum(n * kept[s] for s, n in live.items()), transient[stage]) for stage, live in moments),
+               key=lambda moment: moment[1] + moment[2])
+
+
 class CostModel:
     """Cost matrices of one profile under (schedule, K, m), every stage with memory policy
     ``kind`` priced by ``policies`` (none without); see module docstring."""
@@ -75,6 +83,7 @@ class CostModel:
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
         self.in_flight = schedules.in_flight(schedule, K, micro_batches)
+        self.moments = [schedules.moments(actions) for actions in schedules.schedule(schedule, K, micro_batches)]
         self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
         expected = [sorted({p, K - 1 - p}) if self.mirror else [p] for p in range(K)]
         if self._holds != expected:   # the solver's placement must be the schedule's
@@ -125,6 +134,15 @@ class CostModel:
         if self.kind == "none":
             return self.transient
         return self._scaled(self.policies.extra(self.kind), 1, self.transient)
+
+    def timeline_peak(self, cuts: Sequence[int]) -> int:
+        """The largest position peak of these cuts priced moment by moment (``highest``), as
+        the plan estimates it; the solver's ``memory`` + ``peak`` bound it from above."""
+        stages = range(self.K)
+        kept = {s: int(self.activations[cuts[s], cuts[s + 1]]) for s in stages}
+        transient = {s: int(self.peak(0, s)[cuts[s], cuts[s + 1]]) for s in stages}
+        return max(sum(int(self.static[cuts[s], cuts[s + 1]]) for s in self.holds(p))
+                   + sum(highest(self.moments[p], kept, transient)[1:]) for p in range(self.K))
 
     def time_cost(self, position: int, stage: int) -> np.ndarray:
         return self._scaled(self.time, self.handled(position, stage), self._rerun(position, stage, self.forward_time))

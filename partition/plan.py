@@ -94,8 +94,8 @@ class PositionEstimate:
     param_bytes: int
     static_bytes: int                 # parameters + gradients + optimizer state + buffers
     in_flight: dict[int, int]         # stage -> micro-batches whose activations are alive at the peak
-    activation_bytes: int             # sum over stages of in_flight * activation bytes
-    transient_bytes: int              # largest over its stages: working memory + what a policy brings back
+    activation_bytes: int             # then: sum over stages of in_flight * activation bytes
+    transient_bytes: int              # then: working memory + what a policy brings back, of the stage computed
     peak_bytes: int                   # static + activations + transient
     flops: int                        # forward FLOPs per step (all micro-batches it runs)
     load: float                       # the balanced objective's value for this position

@@ -29,7 +29,7 @@ from gems import schedule as schedules
 from gems.errors import GemsError
 from gems.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
-from .costs import BALANCE_BY, CostModel, memory_average, memory_floor
+from .costs import BALANCE_BY, CostModel, highest, memory_average, memory_floor
 from .plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .policy import (HOST_BANDWIDTH, MODES, PolicyModel, kind_words, kinds, parse_bandwidth,
                      unit_seconds)
@@ -181,8 +181,10 @@ def _relax(job: _Job, costs: CostModel, cuts: list[int], allowed: list[str]) -> 
 
     def fits(choice: list[int]) -> bool:
         for p in range(K):
-            parts = [options[s][choice[s]][1][p] for s in costs.holds(p)]
-            if static[p] + sum(c.activations for c in parts) + max(c.transient for c in parts) > job.budget:
+            parts = {s: options[s][choice[s]][1][p] for s in costs.holds(p)}
+            _, activations, transient = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
+                                                {s: c.transient for s, c in parts.items()})
+            if static[p] + activations + transient > job.budget:
                 return False
         return True
 
@@ -204,7 +206,7 @@ def _relax(job: _Job, costs: CostModel, cuts: list[int], allowed: list[str]) -> 
 class _OnPosition(NamedTuple):
     """What one stage with a policy puts on one position holding it, per step."""
 
-    activations: int    # in flight x kept
+    kept: int           # per micro-batch alive
     transient: int      # working memory + what comes back at a backward
     seconds: float      # added by the policy
     flops: int          # forward FLOPs recomputed
@@ -226,7 +228,7 @@ class _Job:
         """Per position holding stage s: its kept activations, transient bytes, added time and FLOPs."""
         lo, hi = cuts[s], cuts[s + 1]
         mem = self.policies.memory(lo, hi, policy)
-        return {h.position: _OnPosition(h.in_flight * mem.kept, int(self.working[lo, hi]) + mem.extra,
+        return {h.position: _OnPosition(mem.kept, int(self.working[lo, hi]) + mem.extra,
                                         self.policies.seconds(lo, hi, policy, mem, h),
                                         self.policies.recompute_flops(hi, policy, h))
                 for h in costs.holders(s)}
@@ -254,10 +256,13 @@ class _Job:
             held = costs.holds(p)
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
-            in_flight = {s: int(costs.in_flight[p].get(s, 0)) for s in held}
+            live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
+                                                   {s: on[s][p].transient for s in held})
+            _, plain_activations, plain_transient = highest(
+                costs.moments[p], {s: stage_estimates[s].plain_activation_bytes for s in held},
+                {s: stage_estimates[s].transient_bytes for s in held})
+            in_flight = {s: int(live.get(s, 0)) for s in held}
             static = sum(e.static_bytes for e in est)
-            activations = sum(c.activations for c in parts)
-            transient = max(c.transient for c in parts)
             extra = sum(c.seconds for c in parts)
             compute = sum(costs.handled(p, s) * (prices.compute[cuts[s + 1]] - prices.compute[cuts[s]]) for s in held)
             positions.append(PositionEstimate(
@@ -265,8 +270,7 @@ class _Job:
                 param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
                 activation_bytes=activations, transient_bytes=transient, peak_bytes=static + activations + transient,
                 flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
-                plain_peak_bytes=static + sum(in_flight[s] * stage_estimates[s].plain_activation_bytes for s in held)
-                + max(e.transient_bytes for e in est),
+                plain_peak_bytes=static + plain_activations + plain_transient,
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
         mean = float(np.mean(loads))
         fits = None if self.budget is None else max(p.peak_bytes for p in positions) <= self.budget
@@ -297,7 +301,9 @@ def _smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget:
     """The least stage count above K whose memory-balanced partition fits ``budget`` with
     ``kind`` on every stage.
 
-    Stage counts that a lower bound already rules out are skipped without solving. When no
+    Stage counts that a lower bound already rules out are skipped without solving; the first
+    one left that the solver's bound misses is also priced as the plan prices it (moment by
+    moment), which can be lower. When no
     stage count fits, the error names either a unit that no partition can fit (cheap) or the
     least peak over all stage counts >= K (a solve per stage count: slow for 300+ units).
     """
@@ -310,6 +316,7 @@ def _smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget:
                         f"however it is cut, the position holding unit {prof.units[unit].name} needs at least "
                         f"{format_size(floor)}, {format_size(floor - budget)} over the budget; "
                         "raise the budget or shrink the batch or image size")
+    exact_tried = False
     for k in range(K + 1, n + 1):
         if memory_average(prof, k, kept) > budget:
             continue
@@ -319,6 +326,12 @@ def _smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget:
         if solve(n, k, costs.memory, costs.peak, costs.mirror, limit=budget, refine=False,
                  remainder=costs.memory_remainder()) is not None:
             return k
+        if not exact_tried:   # the solver's bound sums per-stage maxima; the plan prices moments
+            exact_tried = True
+            found = solve(n, k, costs.memory, costs.peak, costs.mirror, refine=False,
+                          remainder=costs.memory_remainder())
+            if found is not None and costs.timeline_peak(found.cuts) <= budget:
+                return k
     best = None
     for k in range(n, K - 1, -1):   # nothing fits: the least peak any stage count reaches
         if best is not None and max(floor, memory_average(prof, k, kept)) >= best:

@@ -37,6 +37,20 @@ def test_mirror_placement_and_odd_middle():
     assert sch.in_flight("mast", 3, 1)[1] == {1: 2}
 
 
+def test_moments_follow_each_position_in_time():
+    lists = sch.schedule("mast", 2, 1)
+    assert [str(a) for a in lists[0] if a.op in sch.COMPUTE] == \
+        ["forward d0.s0", "forward u0.s1", "backward u0.s1", "backward d0.s0"]
+    # after B u0.s1 only stage 0 is alive again: a moment already seen
+    assert sch.moments(lists[0]) == [(0, {0: 1}), (1, {0: 1, 1: 1})]
+    gpipe = sch.moments(sch.schedule("gpipe", 2, 3)[0])
+    assert gpipe == [(0, {0: 1}), (0, {0: 2}), (0, {0: 3})]
+    for name, K, m in (("1f1b", 4, 8), ("mast", 4, 2), ("gpipe", 3, 4)):
+        for actions, bound in zip(sch.schedule(name, K, m), sch.in_flight(name, K, m)):
+            alive = [live for _, live in sch.moments(actions)]
+            assert {s: max(live.get(s, 0) for live in alive) for s in bound} == bound
+
+
 def test_in_flight_bounds():
     assert sch.in_flight("gpipe", 4, 6)[0] == {0: 6}
     assert [p[r] for r, p in enumerate(sch.in_flight("1f1b", 4, 8))] == [4, 3, 2, 1]
