@@ -15,7 +15,9 @@ position runs one stage at a time)::
               ones are done and freed), the segment's rematerialised bytes and its own working
               memory W[a, b] (without recompute, the stage's W hides under activations of later
               units already freed) (back = what returns from the host; without recompute, A - kept)
-    peak    = static + sum over its stages of f x kept + max over them of (working + extra)
+    peak    = static + at the position's highest moment (``gems.schedule.moments``): f x kept
+              of every stage alive then + working + extra of the stage computed (the solver
+              balances a bound: sum over its stages of f x kept + max over them of working + extra)
 
 A forward whose next compute action is its own backward (*immediate*, as opposed to
 *waiting*: ``gems.schedule.waiting_forwards``) offloads nothing and leaves its stage's last
