@@ -34,7 +34,6 @@ from torch import nn
 from gems import comm as comm_lib
 from gems import schedule as sch
 from gems.errors import GemsError, OutOfMemory, describe_action, is_out_of_memory
-from gems.partition.plan import StagePolicy
 from gems.policies import StageRunner
 from gems.policies import unpack as _unpack
 from gems.timing import ActionTimer
@@ -121,13 +120,9 @@ class Engine:
 
     # ---------------------------------------------------------------- setup
     def _policy_runners(self) -> dict[int, StageRunner]:
-        """One runner per stage held, applying ``plan.policies`` (none when the plan has none)."""
-        policies = getattr(self.plan, "policies", None)
-        if policies:
-            self.plan.check()   # one policy per stage, segments inside their stage
-        else:
-            policies = [StagePolicy() for _ in range(self.K)]
-        return {s: StageRunner(module, self.plan.cuts[s], policies[s], self.device)
+        """One runner per stage held, applying ``plan.policies`` (a Plan has one per stage)."""
+        self.plan.check()   # one policy per stage, segments inside their stage
+        return {s: StageRunner(module, self.plan.cuts[s], self.plan.policies[s], self.device)
                 for s, module in self.stages.items()}
 
     def _sync_group(self):
@@ -288,8 +283,9 @@ class Engine:
         self._stash[key] = (inputs, out)
 
     def _backward(self, a: sch.Action) -> None:
-        inputs, out = self._stash.pop((a.replica, a.micro, a.stage))
-        self._runners[a.stage].prefetch((a.replica, a.micro, a.stage))
+        key = (a.replica, a.micro, a.stage)
+        inputs, out = self._stash.pop(key)
+        self._runners[a.stage].prefetch(key)
         if a.stage == self.K - 1:
             torch.autograd.backward(out)
         else:

@@ -295,15 +295,17 @@ def moments(actions: list[Action]) -> list[tuple[int, dict[int, int]]]:
     return seen
 
 
+def most_alive(position_moments: list[tuple[int, dict[int, int]]]) -> dict[int, int]:
+    """{stage: most micro-batches of that stage alive at once} over one position's ``moments``."""
+    alive = [live for _, live in position_moments]
+    return {s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})}
+
+
 def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
-    """Per position, {stage: most micro-batches of that stage alive at once} (``moments``).
+    """Per position, {stage: most micro-batches of that stage alive at once} (``most_alive``).
     The solver multiplies one micro-batch's activation bytes by it: a safe bound, since it
     sums per-stage maxima that may not coincide in time."""
-    out = []
-    for actions in schedule(name, K, m):
-        alive = [live for _, live in moments(actions)]
-        out.append({s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})})
-    return out
+    return [most_alive(moments(actions)) for actions in schedule(name, K, m)]
 
 
 def waiting_forwards(actions: list[Action]) -> list[Action]:

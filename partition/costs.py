@@ -82,8 +82,10 @@ class CostModel:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
-        self.in_flight = schedules.in_flight(schedule, K, micro_batches)
-        self.moments = [schedules.moments(actions) for actions in schedules.schedule(schedule, K, micro_batches)]
+        lists = schedules.schedule(schedule, K, micro_batches)
+        self.moments = [schedules.moments(actions) for actions in lists]
+        self.in_flight = [schedules.most_alive(moments) for moments in self.moments]
+        self._waiting = [Counter(a.stage for a in schedules.waiting_forwards(actions)) for actions in lists]
         self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
         expected = [sorted({p, K - 1 - p}) if self.mirror else [p] for p in range(K)]
         if self._holds != expected:   # the solver's placement must be the schedule's
@@ -91,7 +93,6 @@ class CostModel:
         self.static = _segments(profile.unit_sums("static_bytes"))
         self.activations = profile.activation_matrix() if policies is None else policies.kept(kind)
         self.transient = profile.working_matrix()
-        self._waiting: list[dict[int, int]] | None = None
         self.forward_flops = _segments(profile.unit_sums("forward_flops"))
         self._remainder: np.ndarray | None = None
         self._memory: dict[tuple, np.ndarray] = {}
@@ -117,9 +118,6 @@ class CostModel:
     def waiting(self, position: int, stage: int) -> int:
         """Forwards of ``stage`` on ``position`` per step whose backward is not the next compute
         action (``gems.schedule.waiting_forwards``): those a policy applies to in full."""
-        if self._waiting is None:
-            self._waiting = [Counter(a.stage for a in schedules.waiting_forwards(actions))
-                             for actions in schedules.schedule(self.schedule, self.K, self.m)]
         return self._waiting[position][stage]
 
     def holders(self, stage: int) -> list[Holder]:
