@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 mpiexec -n 4 .venv/bin/python benchmarks/soak.py --steps 1000 \\
         --checkpoint-dir /tmp/soak-ck --checkpoint-every 100 --keep-checkpoints 2 --metrics /tmp/soak.jsonl
 
-Runs ``gems.trainer.run`` itself (data loading with worker processes, the engine, metrics,
+Runs ``gems.train.trainer.run`` itself (data loading with worker processes, the engine, metrics,
 checkpoints: every gems-train flag is accepted; the defaults train tests/assets/tiny_model.py:tiny
 on 32 px synthetic images, K = 2) on a synthetic dataset of ``--epoch-images`` images (or the
 ``--data`` folder), so epochs and with them the data-loading workers turn over many times. After every step it notes the time;
@@ -18,7 +18,7 @@ thread count counts as grown when even the smallest of the last window's samples
 largest of the first window's, so a worker still shutting down is not a leak), or its throughput
 fell by more than ``--max-slowdown`` percent. ``--json`` keeps every sample.
 
-Known non-leaks in the figures: on CPU the last step runs under gems.metrics' PeakMeter (the
+Known non-leaks in the figures: on CPU the last step runs under gems.train.metrics' PeakMeter (the
 PyTorch profiler's memory records), ~1.5 MiB more RSS in the final sample; and the loop keeps
 a few floats per step (these step times, Metrics' step times and losses), ~0.1 KiB per step.
 """
@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from gems import comm as comm_lib
-from gems import trainer
+from gems.train import trainer
 from gems.cli import dataclass_parser, setup_on_every_rank
-from gems.config import TrainConfig
-from gems.data import TrainData
-from gems.engine import Engine
+from gems.train.config import TrainConfig
+from gems.train.data import TrainData
+from gems.pipeline.engine import Engine
 from gems.units import format_size
 
 DEFAULTS = {"model": "tests/assets/tiny_model.py:tiny", "image_size": 32, "batch_size": 8, "stages": 2,

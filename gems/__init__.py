@@ -12,7 +12,7 @@ __all__ = ["GemsError", "Engine", "__version__"]
 def __getattr__(name):
     # The engine pulls in torch and MPI; import it only when asked for.
     if name == "Engine":
-        from gems.engine import Engine
+        from gems.pipeline.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'gems' has no attribute {name!r}")

@@ -11,13 +11,13 @@ once, and reports medians over the measured steps:
                   same batch, on rank 0, with the threads one rank uses (the others wait)
     bubble        1 - busy / (ranks x step time); busy = forward + backward + optimizer
                   time from the engine timelines
-    memory        peak tensor bytes per rank over one more, untimed step (``gems.memory.PeakMeter``:
+    memory        peak tensor bytes per rank over one more, untimed step (``gems.obs.memory.PeakMeter``:
                   CUDA max allocated; CPU what the rank holds at the step's start -- its
                   stages, gradient bucket, optimizer state and, on a first stage, its
                   images -- plus the CPU allocator's high-water mark during the step),
                   beside the plan's estimate for its position and the estimate's error;
                   the reference's beside the estimate of a one-stage plan
-    simulator     ``gems.simulate`` replaying the schedule with per-stage forward/backward
+    simulator     ``gems.pipeline.simulate`` replaying the schedule with per-stage forward/backward
                   times measured from the same timelines (medians per stage), a network
                   measured by ping-pong between ranks 0 and 1, and the measured optimizer
                   time: predicted step time and its error against the measured one.
@@ -40,11 +40,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gems import memory, models, partition, simulate
-from gems import schedule as sch
-from gems import trace
-from gems.config import opt
+from gems import models, partition
 from gems.errors import GemsError
+from gems.obs import memory, trace
+from gems.pipeline import schedule as sch
+from gems.pipeline import simulate
+from gems.train.config import opt
 from gems.units import format_size
 
 
@@ -215,7 +216,7 @@ def _stage_medians(ranks: list[trace.RankTimeline], op: str, K: int) -> list[flo
 def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor,
                  cfg: BenchConfig, comm, K: int, network: simulate.Network) -> ScheduleResult:
     """COLLECTIVE: train ``name`` for warmup + steps steps; every rank returns the result."""
-    from gems.engine import Engine  # noqa: PLC0415
+    from gems.pipeline.engine import Engine  # noqa: PLC0415
 
     groups = comm.size // K
     m = micro_batches_for(cfg, name, groups)
@@ -334,7 +335,7 @@ def table(report: dict) -> str:
                      "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
                      "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
     lines += ["", *_grid(rows)]
-    lines += ["", f"simulator (gems.simulate) with per-stage times measured from the timelines; network by "
+    lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
                   f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s"]
     rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms", "predicted ms", "measured ms",
              "error"]]

@@ -28,7 +28,7 @@ from .preact_resnet import preact_resnet
 from .resnet import resnet, torchvision_state_dict
 from .user import SYNTAX, build_user_model, is_user_spec
 
-__all__ = ["build", "names", "as_tuple", "torchvision_state_dict"]
+__all__ = ["build", "names", "torchvision_state_dict"]
 
 # name -> (builder, arguments the name fixes). Other builder arguments are the name's options.
 _REGISTRY: dict[str, tuple[Callable[..., nn.Sequential], dict[str, Any]]] = {
@@ -73,23 +73,6 @@ def build(name: str, num_classes: int = 1000, **kw: Any) -> nn.Sequential:
         raise GemsError(f"{name} has no option {', '.join(unknown)}; its options are: "
                         f"{', '.join(allowed) or 'none'}.")
     return builder(num_classes=num_classes, **fixed, **kw)
-
-
-def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A unit's output as a tuple of tensors (a tensor becomes a 1-tuple): the runtime's view
-    of every stage boundary."""
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise GemsError(f"a unit must return a tensor or a tuple of tensors; got {_describe(x)}: change the "
-                    "unit's forward to return tensors only.")
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, (tuple, list)):
-        return f"{type(x).__name__} of ({', '.join(type(t).__name__ for t in x)})"
-    return type(x).__name__
 
 
 def _lookup(name: str) -> tuple[Callable[..., nn.Sequential], dict[str, Any]]:

@@ -10,10 +10,10 @@ Modules: ``profile`` (fake-tensor run: parameters, saved activations, FLOPs per 
 ``planner`` (``plan()``: validation and assembly), ``measure`` (optional real timings).
 
 Note: the name ``plan`` in this package is the function; the dataclass module is
-``gems.partition.plan`` only through ``from gems.partition.plan import ...``.
+``gems.partition.plan`` only through ``from gems.plan import ...``.
 """
 from .measure import measure_times
-from .plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .profile import OPTIMIZER_STATE, ModelProfile, UnitProfile, profile
 from .costs import BALANCE_BY, CostModel
 from .solver import Solution, cuts_from_balance, solve

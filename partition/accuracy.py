@@ -8,7 +8,7 @@ forward/backward passes of whole models and of stages at random cut points:
   data pointer, each once, parameters excluded) plus the stage's input and output;
 * peak bytes of a stage's forward + backward on top of its parameters and gradients (both
   allocated before, as from the second micro-batch of a step on): the high-water mark of the
-  CPU allocator over the pass, by ``gems.memory.PeakMeter``. The estimate is the stage's
+  CPU allocator over the pass, by ``gems.obs.memory.PeakMeter``. The estimate is the stage's
   activations plus its working memory (``ModelProfile.working_matrix``).
 
 Activations and parameters come out exact. The peak is within a few percent on whole
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gems.memory import PeakMeter
+from gems.obs.memory import PeakMeter
 
 from .profile import ModelProfile, profile
 

@@ -8,7 +8,7 @@ held by position p costs
     flops   handled(p, s) * forward FLOPs of [lo, hi) per micro-batch
 
 static = parameters + gradients + optimizer state + buffers; in_flight comes from
-``gems.schedule.in_flight`` (micro-batches whose activations are alive at once at the
+``gems.pipeline.schedule.in_flight`` (micro-batches whose activations are alive at once at the
 peak); handled(p, s) = m times the number of replicas that run stage s on position p. The
 transient part (working memory of one forward or backward) counts once per position: a
 position runs one stage at a time. Without measured times, "time" counts forward plus
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gems import schedule as schedules
+from gems.pipeline import schedule as schedules
 from .policy import Holder, PolicyModel, unit_seconds
 from .profile import ModelProfile
 
@@ -66,7 +66,7 @@ def _or(matrix, default):
 
 def highest(moments: list[tuple[int, dict[int, int]]], kept: dict[int, int],
             transient: dict[int, int]) -> tuple[dict[int, int], int, int]:
-    """A position's highest moment (``gems.schedule.moments``): its live micro-batches per
+    """A position's highest moment (``gems.pipeline.schedule.moments``): its live micro-batches per
     stage, the bytes they keep and the transient bytes of the stage computed then."""
     return max(((live, sum(n * kept[s] for s, n in live.items()), transient[stage]) for stage, live in moments),
                key=lambda moment: moment[1] + moment[2])
@@ -107,7 +107,7 @@ class CostModel:
             self.time_unit = "s"
 
     def holds(self, position: int) -> list[int]:
-        """Stages a position holds (mirrored: p and K-1-p), per ``gems.schedule.holds``."""
+        """Stages a position holds (mirrored: p and K-1-p), per ``gems.pipeline.schedule.holds``."""
         return self._holds[position]
 
     def handled(self, position: int, stage: int) -> int:
@@ -117,7 +117,7 @@ class CostModel:
 
     def waiting(self, position: int, stage: int) -> int:
         """Forwards of ``stage`` on ``position`` per step whose backward is not the next compute
-        action (``gems.schedule.waiting_forwards``): those a policy applies to in full."""
+        action (``gems.pipeline.schedule.waiting_forwards``): those a policy applies to in full."""
         return self._waiting[position][stage]
 
     def holders(self, stage: int) -> list[Holder]:

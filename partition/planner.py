@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from gems import schedule as schedules
+from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
-from gems.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
+from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
 from .costs import BALANCE_BY, CostModel, highest, memory_average, memory_floor
-from .plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .policy import (HOST_BANDWIDTH, MODES, PolicyModel, kind_words, kinds, parse_bandwidth,
                      unit_seconds)
 from .profile import OPTIMIZER_STATE, ModelProfile, profile

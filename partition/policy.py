@@ -1,5 +1,5 @@
 """What per-stage memory policies save and cost: recomputation and offloading, priced from
-the profile's storages. ``gems.policies`` applies them; its docstring is the contract priced here.
+the profile's storages. ``gems.pipeline.stage`` applies them; its docstring is the contract priced here.
 
 Stage [lo, hi) with policy (segments, offload), on a position with f micro-batches of it in
 flight, costs f x ``kept`` bytes plus ``extra`` bytes once (like the working memory: a
@@ -15,12 +15,12 @@ position runs one stage at a time)::
               ones are done and freed), the segment's rematerialised bytes and its own working
               memory W[a, b] (without recompute, the stage's W hides under activations of later
               units already freed) (back = what returns from the host; without recompute, A - kept)
-    peak    = static + at the position's highest moment (``gems.schedule.moments``): f x kept
+    peak    = static + at the position's highest moment (``gems.pipeline.schedule.moments``): f x kept
               of every stage alive then + working + extra of the stage computed (the solver
               balances a bound: sum over its stages of f x kept + max over them of working + extra)
 
 A forward whose next compute action is its own backward (*immediate*, as opposed to
-*waiting*: ``gems.schedule.waiting_forwards``) offloads nothing and leaves its stage's last
+*waiting*: ``gems.pipeline.schedule.waiting_forwards``) offloads nothing and leaves its stage's last
 segment unchecked; it reaches the same peak. Time added per step on a position, with seconds
 per unit from FLOPs at the device rate (or measured times)::
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from gems.errors import GemsError
 from gems.units import parse_size
-from .plan import MIN_OFFLOAD_BYTES, StagePolicy
+from gems.plan import MIN_OFFLOAD_BYTES, StagePolicy
 from .profile import ModelProfile, Storage
 
 HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 x16 class

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from conftest import REPO, run_mpi
-from gems import checkpoint
-from gems.checkpoint import CheckpointError
+from gems.train import checkpoint
+from gems.train.checkpoint import CheckpointError
 from gems.errors import GemsError
 
 TRAIN = Path(sys.executable).parent / "gems-train"

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from gems.data import TrainData
+from gems.train.data import TrainData
 from gems.errors import GemsError
 
 S = 16

@@ -43,8 +43,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec
-from gems import checkpoint
-from gems import schedule as sch
+from gems.train import checkpoint
+from gems.pipeline import schedule as sch
 
 TRAIN = Path(sys.executable).parent / "gems-train"
 WORKER = DISTRIBUTED / "fault_worker.py"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec, run_mpi
-from gems.handshake import FIELDS, disagreement, model_summary
+from gems.train.handshake import FIELDS, disagreement, model_summary
 
 TRAIN = Path(sys.executable).parent / "gems-train"
 PLAN = Path(sys.executable).parent / "gems-plan"

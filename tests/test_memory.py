@@ -1,4 +1,4 @@
-"""gems.memory: the CPU peak meter sees known allocations, counts held storages once, returns
+"""gems.obs.memory: the CPU peak meter sees known allocations, counts held storages once, returns
 to its baseline between windows; gems-train's summary sets a well-formed measured peak beside
 the plan's estimate (gems-bench's table: tests/test_bench.py)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import REPO
-from gems import memory
+from gems.obs import memory
 
 MiB = 2**20
 CPU = torch.device("cpu")

@@ -11,7 +11,8 @@ import torchvision
 from torch import nn
 
 from gems.errors import GemsError
-from gems.models import as_tuple, build, names, torchvision_state_dict
+from gems.models import build, names, torchvision_state_dict
+from gems.pipeline.stage import as_tuple
 from gems.models.amoebanet import Cell
 
 # Small options per registered name, so forward + backward stays fast on 2 CPU cores.

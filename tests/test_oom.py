@@ -15,8 +15,10 @@ import torch
 
 from conftest import DISTRIBUTED, REPO, run_mpi
 from gems import partition
-from gems.errors import GemsError, OutOfMemory, describe_action, is_out_of_memory
-from gems.schedule import Action
+from gems.errors import GemsError
+from gems.pipeline.ir import describe_action
+from gems.pipeline.oom import OutOfMemory, is_out_of_memory
+from gems.pipeline.schedule import Action
 
 WORKER = DISTRIBUTED / "oom_worker.py"
 TRAIN = Path(sys.executable).parent / "gems-train"

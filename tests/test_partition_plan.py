@@ -12,8 +12,8 @@ from gems.models import build
 from gems.partition import CostModel, Plan, plan, profile, solve
 from gems.partition.costs import memory_floor
 from gems.partition.accuracy import toy_model
-from gems.schedule import holds, in_flight, schedule
-from gems.schedule import moments as moments_of
+from gems.pipeline.schedule import holds, in_flight, schedule
+from gems.pipeline.schedule import moments as moments_of
 from gems.units import format_size
 
 SHAPE = (3, 32, 32)

@@ -14,7 +14,7 @@ from gems.partition import Plan, StagePolicy, plan, profile
 from gems.partition.accuracy import toy_model
 from gems.partition.costs import CostModel
 from gems.partition.policy import KINDS, Holder, PolicyModel, best_segments, kinds, parse_bandwidth, unit_seconds
-from gems.schedule import SCHEDULES
+from gems.pipeline.schedule import SCHEDULES
 
 SHAPE = (3, 32, 32)
 

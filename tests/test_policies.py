@@ -1,4 +1,4 @@
-"""Memory policies (gems.policies) change memory and time, never the math.
+"""Memory policies (gems.pipeline.stage) change memory and time, never the math.
 
 In-process engines run K = 1 on a one-rank communicator (every schedule still runs its
 micro-batches, mirrored replicas included); two mpiexec launches check K = 2.
@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import gems
-import gems.policies
+import gems.pipeline.stage
 from gems import models, partition
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
 from gems.comm.base import Backoff, Comm, Group, Request
-from gems.partition.plan import StagePolicy
-from gems.policies import MIN_OFFLOAD_BYTES, StageRunner, checkpointed_segments
+from gems.plan import StagePolicy
+from gems.pipeline.stage import MIN_OFFLOAD_BYTES, StageRunner, checkpointed_segments
 
 from conftest import DISTRIBUTED, run_mpi
 
@@ -196,7 +196,7 @@ def test_policies_keep_gradients(name, schedule, m):
     ref = _REFERENCES[schedule, m]
     run = train("plain", POLICIES[name](6), schedule, m)
     assert_same(run, ref)
-    runner = run["engine"]._runners[0]
+    runner = run["engine"].runners[0]
     if runner.offload is not None and sch.waiting_forwards(run["engine"].actions):
         assert runner.offload.bytes > 0 and not runner.offload.saved   # moved, and all fetched back
 
@@ -214,11 +214,11 @@ def test_batchnorm_with_cumulative_average():
 
 
 def test_tuple_boundaries_amoebanet(monkeypatch):
-    monkeypatch.setattr(gems.policies, "MIN_OFFLOAD_BYTES", 1)   # its tensors are small at this size
+    monkeypatch.setattr(gems.pipeline.stage, "MIN_OFFLOAD_BYTES", 1)   # its tensors are small at this size
     policy = per_unit(len(amoebanet()), offload=True)
     run = train("amoebanet", policy, "gpipe", 2, steps=1, side=SIDE)
     assert_same(run, train("amoebanet", None, "gpipe", 2, steps=1, side=SIDE))
-    assert run["engine"]._runners[0].offload.bytes > 0
+    assert run["engine"].runners[0].offload.bytes > 0
 
 
 # ---------------------------------------------------------------- what offload moves
@@ -249,7 +249,7 @@ def test_offload_skips_parameters_inputs_small_tensors_and_outputs():
 
 def test_immediate_forwards_are_not_offloaded():
     run = train("plain", StagePolicy(offload=True), "mp", 1, steps=1)
-    assert run["engine"]._runners[0].offload.bytes == 0
+    assert run["engine"].runners[0].offload.bytes == 0
 
 
 # ---------------------------------------------------------------- several ranks

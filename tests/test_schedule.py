@@ -1,7 +1,8 @@
 """Schedules are complete and deadlock-free for every K and m; the validator catches faults."""
 import pytest
 
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
+from gems.pipeline.validate import validate
 from gems.errors import GemsError
 
 
@@ -15,7 +16,7 @@ def configs():
 @pytest.mark.parametrize("name,K,m", list(configs()))
 def test_every_schedule_is_valid(name, K, m):
     lists = sch.schedule(name, K, m)
-    sch.validate(name, K, m, lists)
+    validate(name, K, m, lists)
     peaks = sch.in_flight(name, K, m)
     assert [sorted(p) for p in peaks] == [sch.holds(name, K, r) for r in range(K)]
     assert all(1 <= c <= m * sch.replicas(name) for p in peaks for c in p.values())
@@ -65,18 +66,18 @@ def test_validator_finds_a_deadlock():
     p0.remove(recv)
     p0.insert(0, recv)
     with pytest.raises(ValueError, match="deadlock"):
-        sch.validate("mast", 2, 1, lists)
+        validate("mast", 2, 1, lists)
 
 
 def test_validator_finds_missing_and_unmatched_actions():
     lists = sch.schedule("gpipe", 2, 2)
     del lists[1][[a.op for a in lists[1]].index(sch.BACKWARD)]
     with pytest.raises(ValueError, match="missing|before"):
-        sch.validate("gpipe", 2, 2, lists)
+        validate("gpipe", 2, 2, lists)
     lists = sch.schedule("gpipe", 2, 2)
     lists[0] = [a for a in lists[0] if a.op != sch.SEND_ACT]
     with pytest.raises(ValueError, match="unmatched"):
-        sch.validate("gpipe", 2, 2, lists)
+        validate("gpipe", 2, 2, lists)
 
 
 @pytest.mark.parametrize("args,fix", [

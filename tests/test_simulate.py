@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
 from gems.errors import GemsError
-from gems.partition.plan import StageEstimate
-from gems.simulate import (IDEAL, Costs, Network, costs_from_plan, scaling, simulate, sweep)
+from gems.plan import StageEstimate
+from gems.pipeline.simulate import (IDEAL, Costs, Network, costs_from_plan, scaling, simulate, sweep)
 
 
 def equal(K, f=1.0, b=2.0, boundary=0, activation=None, params=None):

@@ -1,7 +1,7 @@
 import pytest
 
 from gems.errors import GemsError
-from gems.topology import Topology
+from gems.pipeline.topology import Topology
 
 
 def test_coords_and_groups():

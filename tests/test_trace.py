@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpi
-from gems import schedule as sch
-from gems import trace
+from gems.pipeline import schedule as sch
+from gems.obs import trace
 
 TRAIN = Path(sys.executable).parent / "gems-train"
 TINY = "tests/assets/tiny_model.py:tiny"
@@ -83,7 +83,7 @@ def test_gems_train_writes_a_trace_with_every_action_of_the_schedule(tmp_path):
 
 
 def test_trace_png_without_matplotlib_is_a_user_error(monkeypatch):
-    from gems.config import TrainConfig
+    from gems.train.config import TrainConfig
     from gems.errors import GemsError
 
     monkeypatch.setattr(trace, "have_matplotlib", lambda: False)

@@ -13,9 +13,8 @@ import sys
 import typing
 from collections.abc import Callable
 
-from gems.errors import GemsError
+from gems.errors import USER_ERROR, GemsError, one_line
 
-USER_ERROR = 2  # the exit status of argparse for bad usage; gems uses it for every user error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +32,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def dataclass_parser(prog: str, description: str, config: type) -> argparse.ArgumentParser:
     """A parser with one flag per field of the ``config`` dataclass (``batch_size`` ->
-    ``--batch-size``): type, default, choices and help come from the field (see gems.config.opt);
+    ``--batch-size``): type, default, choices and help come from the field (see gems.train.config.opt);
     booleans get ``--x/--no-x``."""
     p = parser(prog, description)
     hints = typing.get_type_hints(config)
@@ -59,12 +58,6 @@ def checked(convert: Callable[[str], object]) -> Callable[[str], object]:
             raise argparse.ArgumentTypeError(str(error)) from None
     convert_argument.__name__ = getattr(convert, "__name__", "value")
     return convert_argument
-
-
-def one_line(message: object) -> str:
-    """``message`` with every run of whitespace (newlines, carriage returns from a file name or a
-    JSON key quoted in it) made one space, so an error is always exactly one line."""
-    return " ".join(str(message).split())
 
 
 def run(prog: str, body: Callable[[], int | None]) -> int:

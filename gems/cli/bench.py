@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     from gems import bench  # noqa: PLC0415
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
-    from gems import handshake  # noqa: PLC0415
+    from gems.train import handshake  # noqa: PLC0415
 
     comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
     comm_lib.configure_threads(comm)

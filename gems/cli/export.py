@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from gems import checkpoint
+from gems.train import checkpoint
 from gems.cli import parser, run
 
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
-from gems.config import MAX_CLASSES, MAX_INPUT_ELEMENTS
+from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS
 from gems.errors import GemsError
 from gems.units import format_size, parse_size
 
@@ -64,7 +64,7 @@ def class_count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from gems.partition import BALANCE_BY, OPTIMIZER_STATE
     from gems.partition.policy import MODES, parse_bandwidth
-    from gems.schedule import SCHEDULES
+    from gems.pipeline.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
     p.add_argument("--model", required=True,
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--simulate", action="store_true",
                    help="predict step time, throughput and bubbles of this plan and of every schedule "
-                        "at the same K and m (gems.simulate)")
+                        "at the same K and m (gems.pipeline.simulate)")
     p.add_argument("--sweep", type=checked(positive), metavar="RANKS",
                    help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8 and D = RANKS / K at "
                         "this --batch-size (under --memory-budget, with --recompute/--offload as given) and "
@@ -122,7 +122,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     from gems.models import build
     from gems.partition import measure_times, plan
-    from gems.schedule import replicas
+    from gems.pipeline.schedule import replicas
 
     if args.stages is None and not args.sweep:
         raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
@@ -167,7 +167,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
-    from gems.simulate import V100_CLUSTER, costs_from_plan, simulate
+    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
     lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
@@ -195,7 +195,7 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
     """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (``options`` shares the profiles
     of each micro-batch size), simulated, filtered by the memory budget, fastest first."""
     from gems.partition import plan
-    from gems.simulate import V100_CLUSTER, costs_from_plan, sweep
+    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan, sweep
 
     world, plans, over = args.sweep, {}, []
     rate = args.device_tflops * 1e12

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from gems.cli import dataclass_parser, setup_on_every_rank
-from gems.config import TrainConfig
+from gems.train.config import TrainConfig
 
 
 def parse(argv: list[str] | None = None) -> TrainConfig:
@@ -30,7 +30,7 @@ def parse(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)  # argparse reports bad flags itself (exit 2)
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
-    from gems import handshake, trainer  # noqa: PLC0415
+    from gems.train import handshake, trainer  # noqa: PLC0415
 
     comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
     comm_lib.configure_threads(comm)

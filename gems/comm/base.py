@@ -283,11 +283,14 @@ class Comm:
         except SystemExit as exc:
             if exc.code in (None, 0):
                 raise
-            self._fail(exc, exc.code if isinstance(exc.code, int) else 1)
+            self.fail(exc, exc.code if isinstance(exc.code, int) else 1)
         except BaseException as exc:  # noqa: BLE001 -- any failure must end the job, not hang it
-            self._fail(exc, 1)
+            self.fail(exc, 1)
 
-    def _fail(self, exc: BaseException, code: int) -> NoReturn:
+    def fail(self, exc: BaseException, code: int = 1) -> NoReturn:
+        """End the job on every rank because of ``exc`` on this one: print ``failure_line`` once
+        (the traceback before it only when GEMS_DEBUG=1), then ``abort(code)``. For failures the
+        peers cannot recover from, such as an exception in the middle of a pipeline step."""
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         if os.environ.get("GEMS_DEBUG") == "1":

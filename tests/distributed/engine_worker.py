@@ -11,7 +11,7 @@ Modes:
   --policy P    with these modes: every stage gets memory policy P (recompute: one segment
                 per unit; segment: one segment per stage; offload; recompute+offload), and
                 each rank checks that its units ran exactly as often as the recompute rule
-                of gems.policies says.
+                of gems.pipeline.stage says.
   raise / kill  the last rank raises in (or is SIGKILLed during) its second forward: the
                 job must end, non-zero, on every rank.
 Prints one "ok ..." line per configuration on rank 0; any mismatch raises (and aborts).
@@ -28,10 +28,10 @@ from torch import nn
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
-from gems import schedule as sch
-from gems.partition.plan import StagePolicy
-from gems.policies import checkpointed_segments
-from gems.schedule import SCHEDULES
+from gems.pipeline import schedule as sch
+from gems.plan import StagePolicy
+from gems.pipeline.stage import checkpointed_segments
+from gems.pipeline.schedule import SCHEDULES
 
 SIDE = 16
 POLICIES = ("none", "recompute", "segment", "offload", "recompute+offload")
@@ -77,7 +77,7 @@ def count_unit_calls(engine) -> list[int]:
 
 def expected_unit_calls(engine) -> list[int]:
     """Per model unit, forward calls of one step: one per forward, plus one per forward that
-    checkpoints a segment holding the unit (gems.policies' rule)."""
+    checkpoints a segment holding the unit (gems.pipeline.stage' rule)."""
     calls = [0] * engine.plan.cuts[-1]
     waiting = set(sch.waiting_forwards(engine.actions))
     for a in engine.actions:
@@ -131,7 +131,7 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
     expected = [steps * n for n in expected_unit_calls(engine)]
     if calls != expected:
         raise RuntimeError(f"{where}: rank {comm.rank} ran its units {calls} times, the rule says {expected}")
-    moved = sum(comm.allgather_object(sum(r.offload.bytes for r in engine._runners.values() if r.offload)))
+    moved = sum(comm.allgather_object(sum(r.offload.bytes for r in engine.runners.values() if r.offload)))
     where += f" ({sum(calls)} unit forwards on rank {comm.rank}, {moved} B offloaded)" if policy != "none" else ""
     if kind == "batchnorm":
         copies = comm.allgather_object({k: v.detach().cpu() for s in engine.stages.values()

@@ -33,10 +33,10 @@ import signal
 import sys
 import time
 
-from gems import checkpoint, trainer
+from gems.train import checkpoint, trainer
 from gems.cli import train
 from gems.comm.base import Comm, failure_line
-from gems.engine import Engine
+from gems.pipeline.engine import Engine
 
 KINDS = ("forward", "backward", "recv", "send", "allreduce", "step", "save")
 

@@ -19,8 +19,9 @@ from torch import nn
 
 from gems import comm as comm_lib
 from gems import partition
-from gems.engine import Engine
-from gems.trainer import enforce_memory_budget
+from gems.pipeline.engine import Engine
+from gems.pipeline.executor import Executor
+from gems.train.trainer import enforce_memory_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
 from tiny_model import tiny  # noqa: E402
@@ -40,7 +41,7 @@ def main(mode: str) -> None:
             def fail(self, action):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                                              "capacity of 79.10 GiB of which 1.06 GiB is free.")
-            Engine._backward = fail
+            Executor._backward = fail
         engine = Engine(model, plan, lambda p: torch.optim.SGD(p, lr=0.01), nn.CrossEntropyLoss(), comm)
         images, labels = torch.randn(BATCH, 3, SIDE, SIDE), torch.randint(0, 10, (BATCH,))
         if mode == "cpu" and comm.rank == 1:

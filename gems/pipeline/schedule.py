@@ -22,67 +22,17 @@ K = 2, m = 1, ``mast`` (forward 1 tick, backward 2)::
 Orders are produced by one greedy list scheduler (forward 1 tick, backward 2 ticks,
 messages free): at every tick an idle position starts the ready task of highest priority.
 Because a position executes its list in a fixed order and only waits on messages,
-an order that completes in one timing completes in every timing; ``validate`` re-checks
-that by simulation.
+an order that completes in one timing completes in every timing; ``gems.pipeline.validate``
+re-checks that by simulation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from gems.errors import GemsError
+from gems.pipeline.ir import (BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, REPLICA_NAMES, SEND_ACT,  # noqa: F401
+                              SEND_GRAD, SENDS, RECVS, STEP, SYNC, Action)
 
 SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
-
-FORWARD, BACKWARD = "forward", "backward"
-SEND_ACT, RECV_ACT = "send_act", "recv_act"
-SEND_GRAD, RECV_GRAD = "send_grad", "recv_grad"
-SYNC, STEP = "sync", "step"
-COMPUTE = (FORWARD, BACKWARD)
-SENDS = (SEND_ACT, SEND_GRAD)
-RECVS = (RECV_ACT, RECV_GRAD)
-
 _TICKS = {FORWARD: 1, BACKWARD: 2}
-REPLICA_NAMES = ("d", "u")  # down, up
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one position.
-
-    ``stage`` is the stage this position computes for: the stage run by forward/backward,
-    the stage whose output (send_act) or input gradient (send_grad) is sent, the stage that
-    consumes a received activation (recv_act) or output gradient (recv_grad). ``peer`` is
-    the position at the other end of a message, -1 otherwise.
-    """
-
-    op: str
-    replica: int = 0
-    micro: int = 0
-    stage: int = 0
-    peer: int = -1
-
-    @property
-    def message(self) -> tuple[str, int, int, int]:
-        """Identity of the message a send/recv moves: (kind, replica, micro, boundary).
-
-        Boundary b is the cut between stage b and stage b+1; the sender and the receiver
-        of one message compute the same identity.
-        """
-        if self.op == SEND_ACT:
-            return ("act", self.replica, self.micro, self.stage)
-        if self.op == RECV_ACT:
-            return ("act", self.replica, self.micro, self.stage - 1)
-        if self.op == SEND_GRAD:
-            return ("grad", self.replica, self.micro, self.stage - 1)
-        if self.op == RECV_GRAD:
-            return ("grad", self.replica, self.micro, self.stage)
-        raise ValueError(f"{self.op} moves no message")
-
-    def __str__(self) -> str:
-        if self.op in (SYNC, STEP):
-            return self.op
-        text = f"{self.op} {REPLICA_NAMES[self.replica]}{self.micro}.s{self.stage}"
-        return text if self.peer < 0 else f"{text} @{self.peer}"
 
 
 def check(name: str, K: int, m: int) -> None:
@@ -187,88 +137,6 @@ def schedule(name: str, K: int, m: int = 1) -> list[list[Action]]:
     return lists
 
 
-def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
-    """Prove that ``lists`` is a complete, deadlock-free step of schedule (name, K, m).
-
-    Complete: every position forwards and backwards each (replica, micro-batch) of each
-    stage it runs exactly once, backward after forward, then syncs and steps once. Every
-    send has exactly one matching receive on the right peer, and a stage consumes a
-    received tensor only after receiving it. Deadlock-free: executing the lists with
-    non-blocking sends and blocking receives finishes. Raises ValueError naming the
-    first problem found.
-    """
-    if len(lists) != K:
-        raise ValueError(f"{len(lists)} action lists for K={K}")
-    R = replicas(name)
-    for p, actions in enumerate(lists):
-        expected = {(op, r, j, s) for r in range(R) for s in range(K)
-                    if position_of(name, K, r, s) == p for j in range(m) for op in COMPUTE}
-        seen: list[tuple[str, int, int, int]] = []
-        received: set[tuple[str, int, int, int]] = set()
-        for a in actions:
-            if a.op in COMPUTE:
-                key = (a.op, a.replica, a.micro, a.stage)
-                if key in seen:
-                    raise ValueError(f"position {p}: {a} appears twice")
-                if a.op == BACKWARD and (FORWARD, a.replica, a.micro, a.stage) not in seen:
-                    raise ValueError(f"position {p}: {a} before its forward")
-                needs = (RECV_ACT if a.op == FORWARD else RECV_GRAD)
-                first = a.stage == 0 if a.op == FORWARD else a.stage == K - 1
-                local = not first and position_of(name, K, a.replica,
-                                                   a.stage + (-1 if a.op == FORWARD else 1)) == p
-                if not first and not local and (needs, a.replica, a.micro, a.stage) not in received:
-                    raise ValueError(f"position {p}: {a} runs before its input is received")
-                seen.append(key)
-            elif a.op in RECVS:
-                received.add((a.op, a.replica, a.micro, a.stage))
-        if set(seen) != expected:
-            missing = sorted(expected - set(seen))
-            raise ValueError(f"position {p}: missing {missing[:3]}")
-        tail = [a.op for a in actions if a.op in (SYNC, STEP)]
-        if tail != [SYNC, STEP] or actions[-1].op != STEP:
-            raise ValueError(f"position {p}: must end with one sync then one step, got {tail}")
-    _check_messages(lists)
-    _run(lists)
-
-
-def _check_messages(lists: list[list[Action]]) -> None:
-    sends: dict[tuple, tuple[int, int]] = {}
-    recvs: dict[tuple, tuple[int, int]] = {}
-    for p, actions in enumerate(lists):
-        for a in actions:
-            if a.op in SENDS or a.op in RECVS:
-                book = sends if a.op in SENDS else recvs
-                if a.message in book:
-                    raise ValueError(f"position {p}: message {a.message} handled twice")
-                book[a.message] = (p, a.peer)
-    if sends.keys() != recvs.keys():
-        raise ValueError(f"unmatched messages: {sorted(sends.keys() ^ recvs.keys())[:3]}")
-    for msg, (src, dst) in sends.items():
-        if recvs[msg] != (dst, src):
-            raise ValueError(f"message {msg}: sent {src}->{dst} but received as {recvs[msg]}")
-
-
-def _run(lists: list[list[Action]]) -> None:
-    """Execute the lists with buffered sends and blocking receives; fail on deadlock."""
-    pc = [0] * len(lists)
-    posted: set[tuple] = set()
-    progress = True
-    while progress:
-        progress = False
-        for p, actions in enumerate(lists):
-            while pc[p] < len(actions):
-                a = actions[pc[p]]
-                if a.op in RECVS and a.message not in posted:
-                    break
-                if a.op in SENDS:
-                    posted.add(a.message)
-                pc[p] += 1
-                progress = True
-    stuck = [f"position {p} at {lists[p][pc[p]]}" for p in range(len(lists)) if pc[p] < len(lists[p])]
-    if stuck:
-        raise ValueError("deadlock: " + "; ".join(stuck))
-
-
 def moments(actions: list[Action]) -> list[tuple[int, dict[int, int]]]:
     """Every distinct moment of one position's compute actions, in order: (the stage
     computed, {stage: micro-batches alive}).
@@ -313,7 +181,7 @@ def waiting_forwards(actions: list[Action]) -> list[Action]:
 
     A forward *waits* unless the next compute action after it (forward or backward;
     messages, sync and step do not count) is the backward of the same replica, micro-batch
-    and stage. Memory policies (``gems.policies``) apply in full to waiting forwards only:
+    and stage. Memory policies (``gems.pipeline.stage``) apply in full to waiting forwards only:
     the activations of the others are needed at once, so storing them cheaply saves nothing.
     """
     compute = [a for a in actions if a.op in COMPUTE]

@@ -26,7 +26,7 @@ from torch import nn
 
 import gems
 from gems import models, partition
-from gems.cli import USER_ERROR, one_line
+from gems.errors import USER_ERROR, one_line
 
 # field -> (what it is called in the message, how to fix a difference); also the order in
 # which differences are reported (the most likely cause first).
@@ -93,7 +93,7 @@ def versions() -> dict[str, str]:
 
 
 def training(job) -> dict[str, object]:
-    """The fingerprint of a prepared ``gems.trainer.Job``."""
+    """The fingerprint of a prepared ``gems.train.trainer.Job``."""
     cfg, plan, data = job.cfg, job.plan, job.data
     classes = getattr(data, "classes", None)  # an image folder's class names
     return {

@@ -5,7 +5,7 @@ a stop signal, corrupt images skipped, and every rank's process peak memory (CUD
 allocated; CPU: peak resident set size) for the JSON lines.
 
 The summary sets each rank's measured tensor peak beside the plan's estimate for its
-position: a ``gems.memory.PeakMeter`` opens at the end of the step before the last one
+position: a ``gems.obs.memory.PeakMeter`` opens at the end of the step before the last one
 (before the first step when only one is run) and closes at the last step's report, taking
 the peak over that step alone (what it holds from its start, the batch included); the
 memory of the data loading and checkpointing before it does not count.
@@ -19,7 +19,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from gems import memory
+from gems.obs import memory
 from gems.units import format_size
 
 

@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gems import checkpoint, memory, models, partition
-from gems import schedule as sch
-from gems.config import TrainConfig
-from gems.data import TrainData
+from gems import models, partition
+from gems.obs import memory
+from gems.train import checkpoint
+from gems.pipeline import schedule as sch
+from gems.train.config import TrainConfig
+from gems.train.data import TrainData
 from gems.errors import GemsError
-from gems.metrics import Metrics
-from gems.topology import Topology
-from gems.trace import Recorder
+from gems.train.metrics import Metrics
+from gems.pipeline.topology import Topology
+from gems.obs.trace import Recorder
 from gems.units import format_size, parse_size
 
 if TYPE_CHECKING:
-    from gems.engine import Engine
+    from gems.pipeline.engine import Engine
 
 PREEMPTED = 3
 
@@ -214,7 +216,7 @@ def run(job: Job) -> int:
     """Train; every rank calls it. Returns the exit status."""
     cfg, comm, data, plan = job.cfg, job.comm, job.data, job.plan
     rank0 = comm.rank == 0
-    from gems.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
+    from gems.pipeline.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
     engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=nn.CrossEntropyLoss(), comm=comm,
                     timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
                     autocast=torch.bfloat16 if cfg.amp == "bf16" else None)

@@ -139,7 +139,7 @@ class Plan:
     device: str = "cuda"                  # where stages run: "cpu" gains nothing from offloading
     host_bandwidth: float | None = None   # bytes/s between device and host, for offloading
     flops_per_second: float | None = None   # sustained rate behind the seconds (measured times aside)
-    step_seconds: float | None = None       # predicted step with the policies (gems.simulate, free network)
+    step_seconds: float | None = None       # predicted step with the policies (gems.pipeline.simulate, free network)
     plain_step_seconds: float | None = None   # the same without them (both None without policies)
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 
 

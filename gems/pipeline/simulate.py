@@ -1,6 +1,6 @@
 """Schedule simulator: replay the engine's own action lists with costs to predict a step.
 
-Every position executes ``gems.schedule.schedule(name, K, m)[position]`` in order -- the
+Every position executes ``gems.pipeline.schedule.schedule(name, K, m)[position]`` in order -- the
 lists the engine runs, so there is one source of truth for every schedule:
 
     forward / backward   take the stage's cost for one micro-batch
@@ -23,7 +23,7 @@ Timing is a max-plus function of the costs, so a faster network or device never 
 Groups are identical, so only groups whose point-to-point links differ (a pipeline split
 across nodes differently) are replayed; they meet in the sync. Pure Python: no torch, no MPI.
 
-    python -m gems.simulate resnet1001     # weak-scaling prediction, 4 to 1024 V100-class GPUs
+``benchmarks/resnet1001_scaling.py`` uses it for a weak-scaling prediction of ResNet-1001.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
 from gems.errors import GemsError
-from gems.topology import Topology
+from gems.pipeline.topology import Topology
 
 V100_FLOPS = 15.7e12   # fp32 peak of a V100 SXM2
 EFFICIENCY = 0.4       # fraction of peak that cuDNN convolutions of a deep ResNet typically sustain
@@ -147,7 +147,7 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     busy = dict.fromkeys(pc, 0.0)
     timeline: dict[tuple[int, int], list[tuple[float, float, str]]] = {key: [] for key in pc}
     progress = True
-    while progress:   # lists are deadlock-free (schedule.validate), so every pass advances someone
+    while progress:   # lists are deadlock-free (gems.pipeline.validate), so every pass advances someone
         progress = False
         for d, p in pc:
             actions, i, t, line = lists[p], pc[(d, p)], clock[(d, p)], timeline[(d, p)]
@@ -159,15 +159,17 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
                     t += cost
                     busy[(d, p)] += cost
                 elif a.op in sch.SENDS:
-                    nbytes = costs.boundary_bytes[a.message[3]]
+                    msg = a.message(p)
+                    nbytes = costs.boundary_bytes[msg.boundary]
                     latency, bandwidth = network.link(d * K + p, d * K + a.peer)
                     leave = max(t, link_free.get((d, p, a.peer), 0.0))
                     link_free[(d, p, a.peer)] = leave + nbytes / bandwidth
-                    arrival[(d, a.message)] = leave + nbytes / bandwidth + latency
+                    arrival[(d, msg)] = leave + nbytes / bandwidth + latency
                 elif a.op in sch.RECVS:
-                    if (d, a.message) not in arrival:
+                    msg = a.message(p)
+                    if (d, msg) not in arrival:
                         break
-                    ready = arrival[(d, a.message)]
+                    ready = arrival[(d, msg)]
                     if ready > t:
                         line.append((t, ready, f"wait {a}"))
                         t = ready
@@ -322,41 +324,3 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
                     found.append(Candidate(name, K, m, world // K, result.step_time,
                                            result.throughput(made[1]), peak))
     return sorted(found, key=lambda c: (-c.images_per_second, c.peak_bytes))
-
-
-def _resnet1001(argv: Sequence[str]) -> None:
-    """Print a weak-scaling prediction of pre-activation ResNet-1001 under mast on a V100 cluster."""
-    import argparse
-
-    from gems import models
-    from gems.partition import plan
-    from gems.units import format_size
-
-    parser = argparse.ArgumentParser(prog="python -m gems.simulate resnet1001")
-    parser.add_argument("--image-size", type=int, default=384, help="square images (384: fits a 16 GB V100 at K=4)")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of fp32 peak sustained")
-    args = parser.parse_args(argv)
-    S, K = args.image_size, args.stages
-    p = plan(models.build("preact-resnet1001", num_classes=1000), input_shape=(3, S, S), batch_size=2, stages=K,
-             schedule="mast", model_name="preact-resnet1001")
-    costs, net = costs_from_plan(p, V100_FLOPS, args.efficiency), V100_CLUSTER
-    one = simulate("mast", K, 1, costs, net)
-    print(f"preact-resnet1001, {S}x{S}, schedule mast, K={K}, 1 image per replica (2 per group per step), fp32\n"
-          f"device {V100_FLOPS / 1e12:.1f} TFLOP/s x {args.efficiency} efficiency; {net.ranks_per_node} GPUs/node, "
-          f"NVLink {net.intra_bandwidth / 1e9:.0f} GB/s, InfiniBand EDR {net.bandwidth / 1e9:.1f} GB/s, "
-          f"{net.allreduce} allreduce after backward (not overlapped)\n"
-          f"per group: bubble {one.bubble_fraction:.1%}, est. peak memory {format_size(max(one.peak_bytes))}/GPU\n")
-    print(f"{'GPUs':>6}  {'groups':>6}  {'step (ms)':>9}  {'images/s':>9}  {'efficiency':>10}")
-    for point in scaling("mast", K, 1, costs, net, [2 ** i for i in range(11) if K * 2 ** i <= 1024]):
-        print(f"{K * point.groups:>6}  {point.groups:>6}  {point.step_time * 1e3:>9.1f}  "
-              f"{2 * point.groups / point.step_time:>9.1f}  {point.efficiency:>10.2%}")
-    print("\nGEMS (Jain et al., SC 2020) report 97.32% weak-scaling efficiency for ResNet-1k on 1,024 V100 GPUs.")
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] != ["resnet1001"]:
-        sys.exit("usage: python -m gems.simulate resnet1001 [--image-size S] [--stages K] [--efficiency E]")
-    _resnet1001(sys.argv[2:])

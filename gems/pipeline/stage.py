@@ -10,7 +10,7 @@ Which forwards a policy applies to
 ----------------------------------
 Take one position's compute actions in order (forward and backward; messages, sync and
 step do not count). A forward is *immediate* when the next one is its own backward (same
-replica, micro-batch and stage), and *waiting* otherwise (``gems.schedule.waiting_forwards``).
+replica, micro-batch and stage), and *waiting* otherwise (``gems.pipeline.schedule.waiting_forwards``).
 ``mast`` K=2 m=1, position 0: ``F d0.s0  F u0.s1  B u0.s1  B d0.s0`` -- d0.s0 waits, u0.s1
 is immediate. ``1f1b`` K=2 m=2: position 0 ``F d0.s0  F d1.s0  B d0.s0  B d1.s0`` -- both
 wait (as every forward does under ``gpipe``, whose backwards run first in, first out);
@@ -62,10 +62,27 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gems.models import as_tuple
-from gems.partition.plan import MIN_OFFLOAD_BYTES, StagePolicy
+from gems.errors import GemsError
+from gems.plan import MIN_OFFLOAD_BYTES, StagePolicy
 
 Key = tuple[int, int, int]   # (replica, micro-batch, stage)
+
+
+def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A unit's output as a tuple of tensors (a tensor becomes a 1-tuple): the runtime's view
+    of every stage boundary."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise GemsError(f"a unit must return a tensor or a tuple of tensors; got {_describe(x)}: change the "
+                    "unit's forward to return tensors only.")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} of ({', '.join(type(t).__name__ for t in x)})"
+    return type(x).__name__
 
 
 def unpack(xs: tuple[torch.Tensor, ...]):
@@ -102,7 +119,7 @@ class StageRunner:
 
     def forward(self, inputs: tuple[torch.Tensor, ...], key: Key, waiting: bool) -> tuple[torch.Tensor, ...]:
         """The stage's output for one micro-batch; ``waiting``: whether its backward is not
-        the next compute action (``gems.schedule.waiting_forwards``)."""
+        the next compute action (``gems.pipeline.schedule.waiting_forwards``)."""
         offload = self.offload is not None and waiting
         with self.offload.saving(key, inputs) if offload else contextlib.nullcontext():
             xs = inputs

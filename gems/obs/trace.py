@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gems import schedule as sch
+from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 
 BUSY = (sch.FORWARD, sch.BACKWARD, sch.STEP)   # what counts as a rank doing useful work

@@ -109,5 +109,5 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
             raise GemsError("--clip-grad-norm must be positive and finite")
         if self.trace_png:
-            from gems.trace import require_matplotlib  # noqa: PLC0415
+            from gems.obs.trace import require_matplotlib  # noqa: PLC0415
             require_matplotlib()

@@ -1,0 +1,180 @@
+"""The engine: trains a plan's stages on this rank, a thin facade over the pipeline's parts.
+
+Every rank builds the whole ``nn.Sequential``, keeps the stages its position holds
+(``model[lo:hi]`` keeps the original unit names, so stage state dicts use the model's own
+keys) and executes ``schedule(plan.schedule, K, m)[position]`` each step. The parts, each in
+a module of its own:
+
+    MicroBatches  (batches)   rows of the global batch per group, replica, micro-batch; loss scale
+    StageRunner   (stage)     one stage's forward under its memory policy (recompute, offload)
+    Messenger     (p2p)       the transfers the action list names, receives posted ahead
+    GradSync      (gradsync)  gradient bucket, BatchNorm statistics, clipping, non-finite skip
+    Executor      (executor)  the action loop
+    StageState    (state)     state dicts and optimizer state keyed by the model's names
+
+Failures inside a step: bad input (the wrong rows, a replaced ``.grad``) raises GemsError
+before the step communicates, and the engine stays usable. Anything raised once the step has
+started communicating -- an allocator's failure included, reported as ``OutOfMemory`` -- ends
+the job on every rank with that cause (``Comm.fail``): the peers are mid-step, and posted
+receives (NCCL's above all) cannot be withdrawn, so there is no sound way to go on.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from gems import comm as comm_lib
+from gems.errors import GemsError
+from gems.pipeline import schedule as sch
+from gems.pipeline.batches import MicroBatches
+from gems.pipeline.executor import Executor
+from gems.pipeline.gradsync import GradSync
+from gems.pipeline.ir import describe_action
+from gems.pipeline.oom import OutOfMemory, is_out_of_memory
+from gems.pipeline.p2p import Messenger
+from gems.pipeline.stage import StageRunner
+from gems.pipeline.state import StageState
+from gems.pipeline.topology import Topology
+
+
+class Engine:
+    """Trains ``model`` cut as ``plan`` says, on the ranks of the launch.
+
+    Args:
+        model: the full ``nn.Sequential`` (built identically on every rank; parameters are
+            broadcast within each sync group anyway, so copies start equal).
+        plan: a ``gems.plan.Plan`` (cut points, schedule, K, m, boundary shapes, policies).
+        optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters.
+            Its ``zero_grad()`` zeroes the gradient bucket in place (gradients live there).
+        loss_fn: ``(output, labels) -> scalar`` mean over the micro-batch (e.g. CrossEntropyLoss()).
+        comm: ``"mpi"`` (default), ``"torch"``, or a ready ``gems.comm.Comm``. Given a name, the
+            engine also sets torch's CPU threads to this rank's share of the node's cores.
+        device: where the stages run; default the communicator's (``cuda:<local rank>`` when
+            CUDA is present, else CPU).
+        timeout: seconds a rank waits on a peer before aborting the job.
+        prefetch: receives posted ahead of need.
+        clip_grad_norm: scale gradients so their global L2 norm (all stages) is at most this.
+        autocast: run stage forwards under ``torch.autocast`` with this dtype (e.g. bfloat16);
+            boundaries still travel in the plan's dtypes.
+
+    A step whose loss is not finite is never applied: the optimizer is skipped, the step
+    leaves no trace in the model's buffers and ``last_step_applied`` is False, so the caller
+    decides whether to stop or go on.
+    """
+
+    def __init__(self, model: nn.Sequential, plan, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 loss_fn: Callable, comm="mpi", device: torch.device | str | None = None,
+                 timeout: float = 300.0, prefetch: int = 2, clip_grad_norm: float | None = None,
+                 autocast: torch.dtype | None = None) -> None:
+        if not isinstance(model, nn.Sequential):
+            raise GemsError(f"Engine needs an nn.Sequential model, got {type(model).__name__}")
+        if plan.cuts[-1] != len(model):
+            raise GemsError(f"the plan cuts {plan.cuts[-1]} units but the model has {len(model)}: "
+                            "make the plan from this model")
+        plan.check()   # one policy per stage, segments inside their stage
+        if isinstance(comm, str):
+            comm = comm_lib.create(comm, device=device, timeout=timeout)
+            comm_lib.configure_threads(comm)  # cores / ranks on the node, unless OMP_NUM_THREADS
+        self.comm, self.plan = comm, plan
+        self.device = comm.device if device is None else torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.K, self.m = plan.stages, plan.micro_batches
+        self.topology = Topology(comm.size, self.K, plan.schedule)
+        self.group, self.position = self.topology.coords(comm.rank)
+        self.actions = sch.schedule(plan.schedule, self.K, self.m)[self.position]
+        batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
+                               sch.replicas(plan.schedule), self.m, comm.rank)
+        model_keys = list(model.state_dict().keys())
+        self.stages: dict[int, nn.Sequential] = {
+            s: model[plan.cuts[s]:plan.cuts[s + 1]].to(self.device) for s in self.topology.holds(self.position)}
+        runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device)
+                   for s, module in self.stages.items()}
+        self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm)
+        self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])
+        self.grads.keep_grads_in_bucket(self.optimizer)
+        messenger = Messenger(comm, self.topology, self.actions, plan.stage_output_shapes,
+                              plan.stage_output_dtypes, batches.rows_per_micro, self.device, prefetch)
+        waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
+        self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,
+                                 self.grads, loss_fn, autocast, self.device)
+        self.executor.optimizer = self.optimizer
+        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys)
+
+    @property
+    def needs_images(self) -> bool:
+        """Whether this rank runs a first stage (and so reads images)."""
+        return 0 in self.stages
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether this rank runs a last stage (and so reads labels)."""
+        return self.K - 1 in self.stages
+
+    @property
+    def runners(self) -> dict[int, StageRunner]:
+        """{stage: StageRunner} of the stages this rank holds."""
+        return self.executor.runners
+
+    @property
+    def bucket(self) -> torch.Tensor:
+        """The flat tensor the gradients (and a copy of BatchNorm statistics) live in."""
+        return self.grads.bucket
+
+    @property
+    def timer(self):
+        return self.executor.timer
+
+    @property
+    def last_step_applied(self) -> bool:
+        """False when the last step's loss was not finite (so the step was skipped)."""
+        return self.executor.applied
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last applied step, when clipping."""
+        return self.grads.last_grad_norm
+
+    def step(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> float:
+        """One optimizer step; returns the mean loss over the global batch, on every rank.
+
+        ``images``/``labels`` hold either the whole global batch (``plan.batch_size`` rows,
+        the same on every rank is fine) or just this group's shard of it
+        (``plan.batch_size // D`` rows); rows are then taken by replica and micro-batch.
+        Ranks that need no images (or labels) may pass None.
+        """
+        batches = self.executor.batches
+        images = batches.shard(images, "images", self.needs_images)
+        labels = batches.shard(labels, "labels", self.needs_labels)
+        self.grads.begin_step()
+        try:
+            self.executor.run(images, labels)
+        except Exception as exc:  # noqa: BLE001 - peers are mid-step: the job cannot go on
+            if is_out_of_memory(exc):
+                a = self.executor.current
+                where = describe_action(a) if a is not None else "posting the first receives"
+                oom = OutOfMemory(self.comm.rank, self.device.type.upper(), where, self.plan, self.position, exc)
+                oom.__cause__ = exc
+                exc = oom
+            self.comm.fail(exc)
+        return self.executor.global_loss
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's actions as (label, start, end) seconds from the step's start
+        (``timer.started`` on the wall clock); labels as ``str(Action)``."""
+        return self.executor.timer.timeline()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict (keys as ``model.state_dict()``), on every rank. COLLECTIVE."""
+        return self._state.state_dict()
+
+    def stage_state(self, stage: int) -> dict:
+        """A checkpoint shard of one stage this rank holds (see ``StageState.stage_state``)."""
+        return self._state.stage_state(stage)
+
+    def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, dict] | None = None,
+                   param_groups: list[dict] | None = None) -> None:
+        """Load full-model state (from any partition): each rank takes its stages' entries."""
+        self._state.load_state(model, optimizer, param_groups)

@@ -1,0 +1,113 @@
+"""The action loop: runs one position's action list for one step.
+
+- forward: the stage input is the data (stage 0) or a received message; received tensors get
+  ``requires_grad`` so their gradient can be sent upstream; the stage runs under its memory
+  policy (``StageRunner``); on the last stage the loss is computed and scaled by the
+  micro-batch's share of the global batch (``MicroBatches.loss_scale``);
+- backward: autograd from the loss or from the received output gradient; the input gradient
+  is kept for the send that follows;
+- send / recv: through the ``Messenger``; sync / step: through ``GradSync``.
+
+Every action is timed (``ActionTimer``) for traces and gems-bench.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gems.pipeline import ir
+from gems.pipeline.batches import MicroBatches
+from gems.pipeline.gradsync import GradSync
+from gems.pipeline.p2p import Messenger
+from gems.pipeline.stage import StageRunner, unpack
+from gems.pipeline.timing import ActionTimer
+
+Key = tuple[int, int, int]   # (replica, micro-batch, stage)
+
+
+class Executor:
+    def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
+                 waiting: set[Key], batches: MicroBatches, messenger: Messenger, grads: GradSync,
+                 loss_fn: Callable, autocast: torch.dtype | None, device: torch.device) -> None:
+        self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
+        self.batches, self.messenger, self.grads = batches, messenger, grads
+        self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
+        self.timer = ActionTimer(device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loss = torch.zeros(1, dtype=torch.float64, device=device)
+        self.applied, self.global_loss = True, 0.0
+        self._stash: dict[Key, tuple] = {}          # forward's (inputs, outputs) until its backward
+        self._input_grads: dict[Key, tuple] = {}    # backward's input gradients until their send
+        self._inbox: dict[tuple, tuple[torch.Tensor, ...]] = {}   # received, not yet consumed
+        self._images: torch.Tensor | None = None
+        self._labels: torch.Tensor | None = None
+        self._run = {ir.FORWARD: self._forward, ir.BACKWARD: self._backward,
+                     ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
+                     ir.SEND_ACT: lambda a: messenger.send(a, self._stash[_key(a)][1]),
+                     ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop(_key(a))),
+                     ir.SYNC: self._sync, ir.STEP: self._step}
+
+    def run(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> ir.Action | None:
+        """Run the step's actions on this group's ``images``/``labels``. Raises what an action
+        raised, with ``self.current`` the action that raised (None: posting the first receives)."""
+        self._images, self._labels = images, labels
+        self.loss.zero_()
+        self.current: ir.Action | None = None
+        timer, now = self.timer, self.timer.now
+        self.messenger.begin_step()
+        timer.begin_step()
+        for a in self.actions:
+            self.current = a
+            start = now()
+            self._run[a.op](a)
+            timer.span(str(a), start, now())
+        self._images = self._labels = None
+
+    def _receive(self, a: ir.Action) -> None:
+        self._inbox[(a.op, a.replica, a.micro, a.stage)] = self.messenger.receive(a)
+
+    def _forward(self, a: ir.Action) -> None:
+        rows = self.batches.rows(a.replica, a.micro)
+        if a.stage == 0:
+            inputs = (self._images[rows].to(self.device, non_blocking=True),)
+        else:
+            inputs = self._inbox.pop((ir.RECV_ACT, a.replica, a.micro, a.stage))
+            for t in inputs:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+        key = _key(a)
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            out = self.runners[a.stage].forward(inputs, key, key in self.waiting)
+        if a.stage == self.last_stage:
+            labels = self._labels[rows].to(self.device, non_blocking=True)
+            loss = self.loss_fn(unpack(out), labels) * self.batches.loss_scale
+            self.loss += loss.detach()
+            out = (loss,)
+        self._stash[key] = (inputs, out)
+
+    def _backward(self, a: ir.Action) -> None:
+        key = _key(a)
+        inputs, out = self._stash.pop(key)
+        self.runners[a.stage].prefetch(key)
+        if a.stage == self.last_stage:
+            torch.autograd.backward(out)
+        else:
+            grads = self._inbox.pop((ir.RECV_GRAD, a.replica, a.micro, a.stage))
+            pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if a.stage > 0:
+            self._input_grads[key] = tuple(x.grad if x.grad is not None else torch.zeros_like(x)
+                                           for x in inputs)
+
+    def _sync(self, a: ir.Action) -> None:
+        self.messenger.finish_sends()
+        self.global_loss = self.grads.sync(self.loss)
+
+    def _step(self, a: ir.Action) -> None:
+        self.applied = self.grads.apply(self.optimizer)
+
+
+def _key(a: ir.Action) -> Key:
+    return (a.replica, a.micro, a.stage)

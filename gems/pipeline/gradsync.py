@@ -1,0 +1,152 @@
+"""Gradient sync of one rank: the flat bucket, BatchNorm statistics, clipping, non-finite skip.
+
+One allreduce of one flat bucket per rank and step, over its sync group (the mirror group under
+``mast``, the same position across groups otherwise; ``Topology.sync_group``). The bucket holds
+every gradient of the stages this rank holds -- ``param.grad`` are views of it, so backward
+accumulates straight into it -- then a copy of their floating buffers (BatchNorm running
+statistics), which the same call averages, so all copies of a stage stay identical.
+
+A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
+gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
+stage). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
+skipped and every buffer (statistics and counters such as ``num_batches_tracked``) goes back
+to its value before the step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gems.errors import GemsError
+from gems.pipeline.topology import Topology
+
+
+class GradSync:
+    """Creates the sync groups (COLLECTIVE), makes every copy of a stage start equal, and owns
+    the gradient bucket of the stages in ``stages`` ({stage: module} this rank holds)."""
+
+    def __init__(self, comm, topology: Topology, stages: dict[int, nn.Module], device: torch.device,
+                 clip_grad_norm: float | None) -> None:
+        self.comm, self.topology, self.stages = comm, topology, stages
+        self.group, self.position = topology.coords(comm.rank)
+        self.clip_grad_norm = clip_grad_norm
+        self.group_comm = self._sync_group()
+        self._make_identical()
+        params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
+        buffers = [b for s in stages.values() for b in s.buffers()]
+        self._stats_buffers = [b for b in buffers if b.is_floating_point()]
+        self._counters = [b for b in buffers if not b.is_floating_point()]
+        dtypes = {t.dtype for t in params} | {b.dtype for b in self._stats_buffers}
+        if len(dtypes) > 1:
+            raise GemsError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}: "
+                            "convert the model to one dtype before training")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        n_grad = sum(p.numel() for p in params)
+        n_stats = sum(b.numel() for b in self._stats_buffers)
+        self.bucket = torch.zeros(n_grad + n_stats, dtype=dtype, device=device)
+        self.grads, self._stats = self.bucket[:n_grad], self.bucket[n_grad:]
+        self._stats_before = torch.empty_like(self._stats)
+        self._counters_before = [c.clone() for c in self._counters]
+        # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
+        # for backward, and a view of the bucket would share its version counter with the
+        # gradients being accumulated, failing autograd's in-place check.
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        offset = 0
+        for p in params:
+            view = self.bucket[offset:offset + p.numel()].view_as(p)
+            p.grad = view
+            self._views.append((p, view))
+            offset += p.numel()
+        self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
+        self.last_grad_norm: float | None = None
+
+    def _sync_group(self):
+        """This rank's sync group, or None when it syncs with nobody."""
+        mine = None
+        for ranks in self.topology.sync_groups():  # collective: same order on every rank
+            g = self.comm.group(ranks)
+            if self.comm.rank in ranks:
+                mine = g
+        return mine if len(self.topology.sync_group(self.comm.rank)) > 1 else None
+
+    def _make_identical(self) -> None:
+        """Start every copy of a stage from the sync group's first rank's values."""
+        if self.group_comm is None:
+            return
+        root = self.topology.sync_group(self.comm.rank)[0]
+        with torch.no_grad():
+            for s in self.stages.values():
+                for t in list(s.parameters()) + list(s.buffers()):
+                    self.comm.broadcast(t.data, root, self.group_comm)
+
+    def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.zero_grad()`` zero the bucket in place. Its default (set_to_none)
+        would detach ``param.grad`` from the bucket, and the allreduce would then sync zeros."""
+        grads = self.grads
+
+        def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
+            grads.zero_()
+
+        optimizer.zero_grad = zero_grad
+
+    def begin_step(self) -> None:
+        """Check that the gradients still live in the bucket and remember the buffers (restored if
+        the step turns out not finite). Communicates nothing."""
+        for p, view in self._views:
+            if p.grad is not view:
+                raise GemsError("a parameter's .grad was replaced: gems keeps gradients in its sync "
+                                "bucket, so zero them with engine.optimizer.zero_grad() and never "
+                                "assign or delete .grad")
+        if self._stats_buffers:
+            torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats_before)
+        for c, before in zip(self._counters, self._counters_before):
+            before.copy_(c)
+
+    def sync(self, loss: torch.Tensor) -> float:
+        """Sum gradients and average statistics over the sync group; sum ``loss`` (this rank's
+        share of the global mean) over the world. Returns the global loss."""
+        if self.group_comm is not None:
+            if self._stats_buffers:
+                torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats)
+            self.comm.allreduce(self.bucket, self.group_comm, "the gradient allreduce")
+            if self._stats_buffers:
+                self._stats /= self.group_comm.size
+                self._scatter(self._stats)
+        self._scalars[0] = loss.reshape(())
+        self._scalars[1] = 0.0
+        if self.clip_grad_norm is not None and self.group == 0:
+            own = [p.grad.double().pow(2).sum() for p in self.stages[self.position].parameters()
+                   if p.grad is not None]
+            if own:
+                self._scalars[1] = torch.stack(own).sum()
+        self.comm.allreduce(self._scalars, None, "the loss allreduce")
+        return float(self._scalars[0])
+
+    @torch.no_grad()
+    def _scatter(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for b in self._stats_buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    @torch.no_grad()
+    def apply(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer step (after clipping), unless the loss is not finite: then the buffers
+        go back to their values before the step. Gradients are zeroed either way. Returns
+        whether the step was applied."""
+        applied = bool(torch.isfinite(self._scalars[0]))
+        if not applied:
+            self._scatter(self._stats_before)
+            for c, before in zip(self._counters, self._counters_before):
+                c.copy_(before)
+        else:
+            if self.clip_grad_norm is not None:
+                self.last_grad_norm = math.sqrt(float(self._scalars[1]))
+                scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
+                if scale < 1.0:
+                    self.grads.mul_(scale)
+            optimizer.step()
+        self.grads.zero_()
+        return applied

@@ -1,0 +1,79 @@
+"""Model and optimizer state of a partitioned model, keyed by the model's own names.
+
+Each rank holds some stages (``model[lo:hi]`` keeps the original unit names), so a stage's
+``state_dict`` already uses the full model's keys. Optimizer state is re-keyed from the
+optimizer's positional indices to parameter names, so a checkpoint written under one partition
+loads under any other.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gems.errors import GemsError
+
+
+class StageState:
+    """State of the stages this rank holds (``stages``: {stage: module}) and of its optimizer.
+
+    ``copy_holder``: whether this rank's copies are the ones gathered into the full state dict
+    (group 0's), ``model_keys``: the full model's state-dict keys in order."""
+
+    def __init__(self, comm, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
+                 copy_holder: bool, model_keys: list[str]) -> None:
+        self.comm, self.stages, self.optimizer = comm, stages, optimizer
+        self.copy_holder, self._order = copy_holder, {k: i for i, k in enumerate(model_keys)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict (keys as ``model.state_dict()``), on every rank. COLLECTIVE."""
+        mine = {}
+        if self.copy_holder:
+            for s in self.stages.values():
+                mine.update({k: v.detach().cpu().clone() for k, v in s.state_dict().items()})
+        full: dict[str, torch.Tensor] = {}
+        for part in self.comm.allgather_object(mine):
+            full.update(part)
+        return dict(sorted(full.items(), key=lambda kv: self._order.get(kv[0], math.inf)))
+
+    def _opt_names(self) -> list[str]:
+        """Parameter names in the optimizer's own index order."""
+        name_of = {id(p): n for s in self.stages.values() for n, p in s.named_parameters()}
+        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def stage_state(self, stage: int) -> dict:
+        """Everything a checkpoint shard keeps for one stage this rank holds: model tensors
+        and optimizer state keyed by the model's own names (so any partition can load it)."""
+        module = self.stages[stage]
+        own = {n for n, _ in module.named_parameters()}
+        opt = self.optimizer.state_dict()
+        names = self._opt_names()
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+            "optimizer": {names[i]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                                     for k, v in st.items()}
+                          for i, st in opt["state"].items() if names[i] in own},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
+        }
+
+    def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, dict] | None = None,
+                   param_groups: list[dict] | None = None) -> None:
+        """Load full-model state (from any partition): each rank takes its stages' entries."""
+        for module in self.stages.values():
+            keys = module.state_dict().keys()
+            missing = [k for k in keys if k not in model]
+            if missing:
+                raise GemsError(f"the checkpoint lacks {missing[0]} (and {len(missing) - 1} more): "
+                                "it was saved from a different model")
+        for module in self.stages.values():
+            module.load_state_dict({k: model[k] for k in module.state_dict().keys()})
+        if optimizer is None:
+            return
+        current = self.optimizer.state_dict()
+        names = self._opt_names()
+        current["state"] = {i: optimizer[n] for i, n in enumerate(names) if n in optimizer}
+        if param_groups and len(param_groups) == len(current["param_groups"]):
+            for group, saved in zip(current["param_groups"], param_groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.load_state_dict(current)
