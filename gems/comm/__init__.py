@@ -24,10 +24,10 @@ import socket
 
 import torch
 
-from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, Request
+from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request
 from gems.errors import GemsError
 
-__all__ = ["create", "Comm", "Group", "Request", "CommTimeout", "Backoff", "TENSORS_PER_MESSAGE",
+__all__ = ["create", "Comm", "Group", "Request", "P2POp", "CommTimeout", "Backoff", "TENSORS_PER_MESSAGE",
            "default_threads", "configure_threads"]
 
 BACKENDS = ("mpi", "torch")

@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 
 import torch
 from torch import Tensor
@@ -84,6 +84,16 @@ def message_tag(tag: int, index: int, tag_ub: int) -> int:
         raise GemsError(f"message tag {tag} is outside 0..{max_tag(tag_ub)}, the range this "
                         f"backend allows (TAG_UB={tag_ub}); number messages with smaller tags")
     return tag * TENSORS_PER_MESSAGE + index
+
+
+class P2POp(NamedTuple):
+    """One point-to-point operation of a batch (``Comm.ibatch``): ``op`` "send" or "recv", the
+    tensors sent or the buffers filled, the peer's world rank and the tag."""
+
+    op: str
+    tensors: tuple
+    peer: int
+    tag: int
 
 
 class Request:
@@ -194,6 +204,14 @@ class Comm:
     def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
         """Start receiving from world rank ``src`` into ``buffers`` (filled in place)."""
         raise NotImplementedError
+
+    def ibatch(self, ops: Sequence[P2POp]) -> list[Request]:
+        """Start ``ops`` as one group, one Request each. A transport whose point-to-point runs in
+        posting order per pair (NCCL) starts a group's operations toward one peer together, as
+        ``batch_isend_irecv`` does; here, where messages are matched by tag, each is simply posted
+        in order."""
+        return [self.isend(op.tensors, op.peer, op.tag) if op.op == "send" else self.irecv(op.tensors, op.peer, op.tag)
+                for op in ops]
 
     def group(self, ranks: list[int]) -> Group | None:
         """Sub-communicator of world ``ranks`` (their order sets ``Group.rank``); None on ranks

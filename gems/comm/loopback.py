@@ -30,12 +30,12 @@ import functools
 import threading
 from collections import defaultdict, deque
 from types import SimpleNamespace
-from typing import Any, Callable, NamedTuple, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 from torch import Tensor
 
-from gems.comm.base import Backoff, Comm, CommTimeout, Group, Request, check_group_ranks, message_tag
+from gems.comm.base import Backoff, Comm, CommTimeout, Group, P2POp, Request, check_group_ranks, message_tag
 from gems.errors import GemsError
 
 __all__ = ["run", "LoopbackComm", "Deadlock", "PeerFailed", "Aborted", "P2POp"]
@@ -55,8 +55,6 @@ class PeerFailed(RuntimeError):
 class Aborted(RuntimeError):
     """``LoopbackComm.abort``: this rank ended the world (the process keeps running)."""
 
-
-P2POp = NamedTuple("P2POp", [("op", str), ("tensors", tuple), ("peer", int), ("tag", int)])
 
 
 class _State:
@@ -334,8 +332,6 @@ class LoopbackComm(Comm):
         ``exc`` is recorded first, so ``run`` re-raises it rather than the abort's exception."""
         self._world.fail(self.rank, exc)
         self.abort(code)
-
-    _fail = fail  # the name ``Comm.guard`` used before ``fail`` was public
 
 
 def run(world: int, fn: Callable[..., Any], *args: Any, semantics: str = "mpi", timeout: float = 30.0,
