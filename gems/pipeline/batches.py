@@ -25,14 +25,18 @@ class MicroBatches:
 
     def shard(self, x: torch.Tensor | None, what: str, needed: bool) -> torch.Tensor | None:
         """This group's rows of ``x`` (the global batch or already this group's shard); None
-        when this rank does not need ``what``. GemsError when it needs it and ``x`` is wrong."""
-        if not needed:
-            return None
+        when this rank does not need ``what``. GemsError when ``x`` has the wrong rows, or is
+        None where it is needed (checked on every rank, so all ranks reject the same bad call)."""
         B, D = self.batch_size, self.groups
+        if not needed and x is None:
+            return None
         if x is None or len(x) not in (B, B // D):
             got = "None" if x is None else f"{len(x)} rows"
-            raise GemsError(f"rank {self.rank} needs {what}: pass the global batch ({B} rows) "
+            need = "needs" if needed else "was given"
+            raise GemsError(f"rank {self.rank} {need} {what}: pass the global batch ({B} rows) "
                             f"or this group's shard ({B // D} rows), got {got}")
+        if not needed:
+            return None
         return x[self.group * (B // D):(self.group + 1) * (B // D)] if len(x) == B and D > 1 else x
 
     def rows(self, replica: int, micro: int) -> slice:

@@ -82,23 +82,31 @@ class GradSync:
                     self.comm.broadcast(t.data, root, self.group_comm)
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.zero_grad()`` zero the bucket in place. Its default (set_to_none)
-        would detach ``param.grad`` from the bucket, and the allreduce would then sync zeros."""
-        grads = self.grads
-
+        """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
+        views. Its default (set_to_none) would detach ``param.grad`` from the bucket, and the
+        allreduce would then sync zeros."""
         def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
-            grads.zero_()
+            self.grads.zero_()
+            for p, view in self._views:
+                p.grad = view
 
         optimizer.zero_grad = zero_grad
 
-    def begin_step(self) -> None:
-        """Check that the gradients still live in the bucket and remember the buffers (restored if
-        the step turns out not finite). Communicates nothing."""
+    def _attach(self) -> None:
+        """Point every ``.grad`` that is None back at its view of the bucket (exact between steps:
+        the bucket is zero then); GemsError for one replaced by another tensor."""
         for p, view in self._views:
-            if p.grad is not view:
-                raise GemsError("a parameter's .grad was replaced: gems keeps gradients in its sync "
-                                "bucket, so zero them with engine.optimizer.zero_grad() and never "
-                                "assign or delete .grad")
+            if p.grad is None:
+                p.grad = view
+            elif p.grad is not view:
+                raise GemsError("a parameter's .grad was replaced by another tensor: gems keeps gradients "
+                                "in its sync bucket, so zero them with engine.optimizer.zero_grad() and "
+                                "never assign .grad")
+
+    def begin_step(self) -> None:
+        """Check that the gradients live in the bucket (re-attaching any set to None) and remember
+        the buffers (restored if the step turns out not finite). Communicates nothing."""
+        self._attach()
         if self._stats_buffers:
             torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats_before)
         for c, before in zip(self._counters, self._counters_before):
