@@ -37,6 +37,9 @@ from gems.train import checkpoint, trainer
 from gems.cli import train
 from gems.comm.base import Comm, failure_line
 from gems.pipeline.engine import Engine
+from gems.pipeline.executor import Executor
+from gems.pipeline.gradsync import GradSync
+from gems.pipeline.p2p import Messenger
 
 KINDS = ("forward", "backward", "recv", "send", "allreduce", "step", "save")
 
@@ -108,30 +111,30 @@ def install(fault: Fault) -> None:
     trainer.run, Engine.step = run, step
 
     def before(name: str, at: str) -> None:  # die on entering the action
-        real = getattr(Engine, name)
+        real = getattr(Executor, name)
 
         def wrapped(self, a):
-            if fault.hit(at, self.comm.rank, a):
-                fault.die(self.comm.rank, a)
+            if fault.hit(at, self.messenger.rank, a):
+                fault.die(self.messenger.rank, a)
             return real(self, a)
-        setattr(Engine, name, wrapped)
+        setattr(Executor, name, wrapped)
 
     for name, at in (("_forward", "forward"), ("_backward", "backward"), ("_receive", "recv")):
         before(name, at)
 
-    real_send, real_apply = Engine._send, Engine._apply
+    real_send, real_apply = Messenger.send, GradSync.apply
 
     def send(self, a, tensors):  # die with the message started
         real_send(self, a, tensors)
-        if fault.hit("send", self.comm.rank, a):
-            fault.die(self.comm.rank, a)
+        if fault.hit("send", self.rank, a):
+            fault.die(self.rank, a)
 
-    def apply(self):
+    def apply(self, optimizer):
         if fault.hit("step", self.comm.rank):
             fault.die(self.comm.rank, "optimizer step")
-        real_apply(self)
+        return real_apply(self, optimizer)
 
-    Engine._send, Engine._apply = send, apply
+    Messenger.send, GradSync.apply = send, apply
 
     real_allreduce = Comm.allreduce
 
@@ -144,13 +147,13 @@ def install(fault: Fault) -> None:
 
     Comm.allreduce = allreduce
 
-    real_fail = Comm._fail
+    real_fail = Comm.fail
 
-    def fail(self, exc, code):  # on every rank: note how a survivor ended
+    def fail(self, exc, code=1):  # on every rank: note how a survivor ended
         record(f"failed-rank-{self.rank}.json", {"rank": self.rank, "line": failure_line(self.rank, exc)})
         real_fail(self, exc, code)
 
-    Comm._fail = fail
+    Comm.fail = fail
 
     real_save, real_write = checkpoint.save, checkpoint._write_atomic
     saving = {"rank": -1}
