@@ -4,17 +4,29 @@
     >>> p = plan(model, (3, 2048, 2048), batch_size=2, stages=4, schedule="mast", memory_budget="40GiB")
     >>> print(p.table()); p.to_json("plan.json")
 
-Modules: ``profile`` (fake-tensor run: parameters, saved activations, FLOPs per unit),
-``costs`` (memory / time / FLOPs of a stage on a position under a schedule), ``solver``
-(exact min-max cuts, plain or mirrored), ``plan`` (the Plan dataclass and its JSON),
-``planner`` (``plan()``: validation and assembly), ``measure`` (optional real timings).
+Modules, in the order of the flow (each imports only from its own step or earlier ones):
+
+* measure once: ``profile`` (the fake-tensor run at the real size; ``tracking``: its storage
+  keys and allocation log) fills ``records`` (per unit: parameters, saved activations, FLOPs;
+  the storages; activation and working memory of any segment of units);
+* price: ``options`` (the user-facing policy options: modes, kinds, host bandwidth),
+  ``policy`` (what recompute / offload keep and cost for one stage; ``segments``: its exact
+  recompute segmentation), ``costs`` (memory / time / FLOPs of a stage on a position under a
+  schedule, as matrices over segments);
+* solve: ``solver`` (exact min-max cuts, plain or mirrored), ``budget`` (the cheapest
+  policies within a memory budget, the smallest stage count that fits);
+* assemble: ``planner`` (``plan()``: validation and building the Plan).
+
+Besides: ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
+real CPU runs). The Plan dataclasses and their JSON live in ``gems.plan``.
 
 Note: the name ``plan`` in this package is the function; the dataclass module is
 ``gems.partition.plan`` only through ``from gems.plan import ...``.
 """
 from .measure import measure_times
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
-from .profile import OPTIMIZER_STATE, ModelProfile, UnitProfile, profile
+from .records import ModelProfile, UnitProfile
+from .profile import OPTIMIZER_STATE, profile
 from .costs import BALANCE_BY, CostModel
 from .solver import Solution, cuts_from_balance, solve
 from .planner import plan

@@ -33,7 +33,8 @@ from torch import nn
 
 from gems.obs.memory import PeakMeter
 
-from .profile import ModelProfile, profile
+from .profile import profile
+from .records import ModelProfile
 
 
 class _Fork(nn.Module):

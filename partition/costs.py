@@ -13,19 +13,40 @@ peak); handled(p, s) = m times the number of replicas that run stage s on positi
 transient part (working memory of one forward or backward) counts once per position: a
 position runs one stage at a time. Without measured times, "time" counts forward plus
 backward FLOPs, a proxy that ranks stages the same way on one kind of device.
+
+With a memory policy chosen per stage, ``CostModel.stage`` gives what the stage then puts on
+each position holding it (kept bytes per micro-batch, transient bytes, seconds and FLOPs
+added; ``gems.partition.policy`` prices the policy, ``unit_seconds`` turns FLOPs or
+measured times into seconds) and ``highest`` a position's peak moment under the schedule.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from gems.pipeline import schedule as schedules
-from .policy import Holder, PolicyModel, unit_seconds
-from .profile import ModelProfile
+from gems.plan import StagePolicy
+from .policy import Holder, PolicyModel
+from .records import ModelProfile
 
 BALANCE_BY = ("memory", "time", "flops")
+
+
+def unit_seconds(profile: ModelProfile, rate: float,
+                 unit_times: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds per unit for one micro-batch: FLOPs at ``rate`` FLOP/s, or
+    measured forward + backward ``unit_times`` split in the ratio of the FLOPs (1:2 without)."""
+    forward = np.array([u.forward_flops for u in profile.units], dtype=np.float64)
+    backward = np.array([u.backward_flops for u in profile.units], dtype=np.float64)
+    if unit_times is None:
+        return forward / rate, backward / rate
+    total = forward + backward
+    share = np.divide(forward, total, out=np.full(total.shape, 1 / 3), where=total > 0)
+    times = np.asarray(unit_times, dtype=np.float64)
+    return times * share, times * (1 - share)
 
 
 def _segments(prefix: np.ndarray) -> np.ndarray:
@@ -70,6 +91,15 @@ def highest(moments: list[tuple[int, dict[int, int]]], kept: dict[int, int],
     stage, the bytes they keep and the transient bytes of the stage computed then."""
     return max(((live, sum(n * kept[s] for s, n in live.items()), transient[stage]) for stage, live in moments),
                key=lambda moment: moment[1] + moment[2])
+
+
+class OnPosition(NamedTuple):
+    """What one stage with a policy puts on one position holding it, per step."""
+
+    kept: int           # per micro-batch alive
+    transient: int      # working memory + what comes back at a backward
+    seconds: float      # added by the policy
+    flops: int          # forward FLOPs recomputed
 
 
 class CostModel:
@@ -124,6 +154,22 @@ class CostModel:
         """The positions holding ``stage``, with what its policy's price depends on."""
         return [Holder(p, self.in_flight[p][stage], self.handled(p, stage), self.waiting(p, stage))
                 for p in range(self.K) if stage in self.holds(p)]
+
+    def stage(self, cuts: list[int], s: int, policy: StagePolicy) -> dict[int, OnPosition]:
+        """Per position holding stage s with ``policy``: its kept activations, transient bytes,
+        added time and FLOPs (``policies`` prices the policy)."""
+        lo, hi = cuts[s], cuts[s + 1]
+        mem = self.policies.memory(lo, hi, policy)
+        return {h.position: OnPosition(mem.kept, int(self.transient[lo, hi]) + mem.extra,
+                                       self.policies.seconds(lo, hi, policy, mem, h),
+                                       self.policies.recompute_flops(hi, policy, h))
+                for h in self.holders(s)}
+
+    def compute_seconds(self, position: int, cuts: list[int]) -> float:
+        """Seconds of forward and backward per step on ``position`` under these cuts, at the
+        policy model's seconds per unit (what policies add aside)."""
+        compute = self.policies.compute
+        return sum(self.handled(position, s) * (compute[cuts[s + 1]] - compute[cuts[s]]) for s in self.holds(position))
 
     def memory(self, position: int, stage: int) -> np.ndarray:
         return self._scaled(self.activations, self.in_flight[position].get(stage, 0), self.static)

@@ -1,25 +1,20 @@
 """``plan()``: validate the request, profile the model, cut it, choose memory policies,
-estimate every position.
+estimate every position, and assemble the Plan.
 
-    profile (fake run at the real size) -> CostModel (schedule, K, m) -> solver -> Plan
+    profile (fake run at the real size) -> PolicyModel, CostModel (schedule, K, m) -> solver
+        -> budget (policies that fit, smallest K) -> Plan
 
 Memory policies (recompute, offload; ``policy`` prices them): ``all`` puts one on every
 stage and cuts with it priced in; ``auto`` (with a memory budget) keeps the plain plan when it
 fits, else makes every stage as lean as allowed -- on the plain cuts and on cuts balanced for
-that lean memory, keeping the faster of the two that fit -- and then, stage by stage from the
-one whose lean policy costs the most time, relaxes to the cheapest policy that still fits.
-A stage's choices include recomputing only some of its segments (``PolicyModel.partial``), so
-a budget a little short of the plain plan costs a little recomputation, not a whole stage's.
-
-With a memory budget that the requested K misses, the plan also names the smallest K that
-would fit with the leanest allowed policy, checking K+1, K+2, ...: lower bounds rule most out
-without solving, the rest run the solver with the budget as its limit (it gives up early
-when the budget is far off).
+that lean memory, keeping the faster of the two that fit -- and then, stage by stage, relaxes
+to the cheapest policy that still fits (``budget.relax``). With a memory budget that the
+requested K misses, the plan also names the smallest K that would fit
+(``budget.smallest_fitting``).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,14 +23,15 @@ from torch import nn
 from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
-from gems.units import format_size, parse_size
-from .costs import BALANCE_BY, CostModel, highest, memory_average, memory_floor
+from gems.units import parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
-from .policy import (HOST_BANDWIDTH, MODES, PolicyModel, kind_words, kinds, parse_bandwidth,
-                     unit_seconds)
-from .profile import OPTIMIZER_STATE, ModelProfile, profile
+from .budget import relax, smallest_fitting
+from .costs import BALANCE_BY, CostModel, highest, unit_seconds
+from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
+from .policy import PolicyModel
+from .profile import OPTIMIZER_STATE, profile
+from .records import ModelProfile
 from .solver import cuts_from_balance, evaluate, solve
-
 
 
 def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stages: int,
@@ -82,9 +78,7 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     if batch_size % split:
         raise GemsError(f"batch size {batch_size} does not split into {groups} group(s) x {replicas} replica(s) x "
                         f"{m} micro-batch(es): use a multiple of {split}")
-    for flag, value in (("recompute", recompute), ("offload", offload)):
-        if value not in MODES:
-            raise GemsError(f"--{flag} must be one of {', '.join(MODES)}, got {value!r}")
+    check_modes(recompute, offload)
     if device not in ("cuda", "cpu"):
         raise GemsError(f"the device to plan for must be 'cuda' or 'cpu', got {device!r}")
     bandwidth = parse_bandwidth(host_bandwidth)
@@ -117,7 +111,7 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     if budget is not None and not result.fits and len(allowed) > 1:
         result = _fit(job, costs, cuts, loads, balance_by, allowed, recut=balance is None)
     if budget is not None and not result.fits:
-        result.smallest_fitting_stages = _smallest_fitting(prof, schedule, K, m, budget, name, policies, allowed[-1])
+        result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, budget, name, policies, allowed[-1])
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
@@ -148,7 +142,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
-        chosen = _relax(job, costs, option_cuts, allowed)
+        chosen = relax(costs, option_cuts, allowed, job.budget)
         if chosen is not None:
             found.append(job.assemble(costs, option_cuts, option_loads, option_by, chosen))
     if not found:
@@ -161,57 +155,6 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
     return best
 
 
-def _relax(job: _Job, costs: CostModel, cuts: list[int], allowed: list[str]) -> list[StagePolicy] | None:
-    """Per stage, the cheapest allowed policy that keeps every position within the budget:
-    start from the leanest everywhere, then relax the stages greedily, the one whose lean
-    policy costs the most time first. None when even the leanest does not fit."""
-    K = costs.K
-    options, leanest = [], []
-    for s in range(K):
-        lo, hi, holders = cuts[s], cuts[s + 1], costs.holders(s)
-        found = {}
-        for kind in allowed:   # least saving first: the last kind's own choice is the leanest
-            whole = job.policies.choose(kind, lo, hi, holders)
-            for policy in [whole, *job.policies.partial(kind, lo, hi, holders),
-                           *job.policies.partial(kind, lo, hi, holders, whole.recompute)]:
-                found.setdefault(repr(policy), (policy, job.stage(costs, cuts, s, policy)))
-        options.append(sorted(found.values(), key=lambda option: sum(c.seconds for c in option[1].values())))
-        leanest.append(next(i for i, (policy, _) in enumerate(options[-1]) if policy == whole))
-    static = [sum(job.static(cuts, s) for s in costs.holds(p)) for p in range(K)]
-
-    def fits(choice: list[int]) -> bool:
-        for p in range(K):
-            parts = {s: options[s][choice[s]][1][p] for s in costs.holds(p)}
-            _, activations, transient = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
-                                                {s: c.transient for s, c in parts.items()})
-            if static[p] + activations + transient > job.budget:
-                return False
-        return True
-
-    def seconds(s: int, i: int) -> float:
-        return sum(c.seconds for c in options[s][i][1].values())
-
-    if not fits(leanest):
-        return None
-    choice = leanest
-    for s in sorted(range(K), key=lambda s: seconds(s, 0) - seconds(s, choice[s])):
-        for i in range(len(options[s])):
-            trial = choice[:s] + [i] + choice[s + 1:]
-            if i == choice[s] or fits(trial):
-                choice = trial
-                break
-    return [options[s][i][0] for s, i in enumerate(choice)]
-
-
-class _OnPosition(NamedTuple):
-    """What one stage with a policy puts on one position holding it, per step."""
-
-    kept: int           # per micro-batch alive
-    transient: int      # working memory + what comes back at a backward
-    seconds: float      # added by the policy
-    flops: int          # forward FLOPs recomputed
-
-
 class _Job:
     """What every candidate plan shares: the profile, its policy prices, the request."""
 
@@ -221,18 +164,6 @@ class _Job:
         self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
         self.working = prof.working_matrix()
 
-    def static(self, cuts: list[int], s: int) -> int:
-        return sum(u.static_bytes for u in self.prof.units[cuts[s]:cuts[s + 1]])
-
-    def stage(self, costs: CostModel, cuts: list[int], s: int, policy: StagePolicy) -> dict[int, _OnPosition]:
-        """Per position holding stage s: its kept activations, transient bytes, added time and FLOPs."""
-        lo, hi = cuts[s], cuts[s + 1]
-        mem = self.policies.memory(lo, hi, policy)
-        return {h.position: _OnPosition(mem.kept, int(self.working[lo, hi]) + mem.extra,
-                                        self.policies.seconds(lo, hi, policy, mem, h),
-                                        self.policies.recompute_flops(hi, policy, h))
-                for h in costs.holders(s)}
-
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
                  policies: list[StagePolicy]) -> Plan:
         K, units, prices = costs.K, self.prof.units, self.policies
@@ -241,7 +172,7 @@ class _Job:
             lo, hi = cuts[s], cuts[s + 1]
             part, policy = units[lo:hi], policies[s]
             mem = prices.memory(lo, hi, policy)
-            on.append(self.stage(costs, cuts, s, policy))
+            on.append(costs.stage(cuts, s, policy))
             stage_estimates.append(StageEstimate(
                 stage=s, first_unit=lo, end_unit=hi, unit_names=[u.name for u in part],
                 param_bytes=sum(u.param_bytes for u in part), grad_bytes=sum(u.grad_bytes for u in part),
@@ -264,7 +195,7 @@ class _Job:
             in_flight = {s: int(live.get(s, 0)) for s in held}
             static = sum(e.static_bytes for e in est)
             extra = sum(c.seconds for c in parts)
-            compute = sum(costs.handled(p, s) * (prices.compute[cuts[s + 1]] - prices.compute[cuts[s]]) for s in held)
+            compute = costs.compute_seconds(p, cuts)
             positions.append(PositionEstimate(
                 position=p, stages=held, units=sum(e.end_unit - e.first_unit for e in est),
                 param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
@@ -294,58 +225,6 @@ class _Job:
             timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
             result.plain_step_seconds = step(timed)
         return result
-
-
-def _smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget: int, name: str,
-                      policies: PolicyModel, kind: str) -> int:
-    """The least stage count above K whose memory-balanced partition fits ``budget`` with
-    ``kind`` on every stage.
-
-    Stage counts that a lower bound already rules out are skipped without solving; the first
-    one left that the solver's bound misses is also priced as the plan prices it (moment by
-    moment), which can be lower. When no
-    stage count fits, the error names either a unit that no partition can fit (cheap) or the
-    least peak over all stage counts >= K (a solve per stage count: slow for 300+ units).
-    """
-    n = len(prof)
-    kept = policies.kept(kind)
-    floor, unit = memory_floor(prof, kept, policies.extra(kind))
-    even = "" if kind == "none" else f" even with {kind_words(kind)} everywhere"
-    if floor > budget:
-        raise GemsError(f"no number of stages fits {name} in the memory budget of {format_size(budget)}{even}: "
-                        f"however it is cut, the position holding unit {prof.units[unit].name} needs at least "
-                        f"{format_size(floor)}, {format_size(floor - budget)} over the budget; "
-                        "raise the budget or shrink the batch or image size")
-    exact_tried = False
-    for k in range(K + 1, n + 1):
-        if memory_average(prof, k, kept) > budget:
-            continue
-        costs = CostModel(prof, schedule, k, m, None, policies, kind)
-        if costs.memory_lower_bound() > budget:
-            continue
-        if solve(n, k, costs.memory, costs.peak, costs.mirror, limit=budget, refine=False,
-                 remainder=costs.memory_remainder()) is not None:
-            return k
-        if not exact_tried:   # the solver's bound sums per-stage maxima; the plan prices moments
-            exact_tried = True
-            found = solve(n, k, costs.memory, costs.peak, costs.mirror, refine=False,
-                          remainder=costs.memory_remainder())
-            if found is not None and costs.timeline_peak(found.cuts) <= budget:
-                return k
-    best = None
-    for k in range(n, K - 1, -1):   # nothing fits: the least peak any stage count reaches
-        if best is not None and max(floor, memory_average(prof, k, kept)) >= best:
-            continue
-        costs = CostModel(prof, schedule, k, m, None, policies, kind)
-        if best is not None and costs.memory_lower_bound() >= best:
-            continue
-        found = solve(n, k, costs.memory, costs.peak, costs.mirror, limit=best, refine=False,
-                      remainder=costs.memory_remainder())
-        if found is not None:
-            best = found.value
-    raise GemsError(f"no number of stages fits {name} in the memory budget of {format_size(budget)}{even}: the "
-                    f"smallest possible peak is {format_size(best)}, {format_size(best - budget)} over the budget; "
-                    "raise the budget or shrink the batch or image size")
 
 
 def _positive_int(value: object, what: str) -> int:

@@ -33,101 +33,26 @@ On a CPU device host memory is device memory: offloading saves nothing (nor is i
 
 A stage's segmentation minimises its peak: with S = bytes of the segment inputs kept and M =
 the largest segment's rematerialised bytes, each position holding it costs w S + M + c for
-constants w, c that depend on f and offloading (``best_segments``: exact, by a DP over every
-candidate value of M), then checked against two fixed segmentations at exact prices. The
+constants w, c that depend on f and offloading (``segments.best_segments``: exact, by a DP
+over every candidate value of M), then checked against two fixed segmentations at exact prices. The
 solver, which prices every [lo, hi) at once, uses "natural" segments (``PolicyModel.natural``:
 a new segment wherever the next unit saves its input anyway, so recomputing never keeps more
 than no policy; one per unit for ResNets).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from gems.errors import GemsError
-from gems.units import parse_size
 from gems.plan import MIN_OFFLOAD_BYTES, StagePolicy
-from .profile import ModelProfile, Storage
+from .options import HOST_BANDWIDTH, parts
+from .options import MODES, parse_bandwidth  # noqa: F401  (gems.cli.plan imports them from here)
+from .records import ModelProfile, Storage, segment_bytes
+from .segments import best_segments
 
-HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 x16 class
-MODES = ("none", "auto", "all")
-KINDS = ("none", "offload", "recompute", "recompute+offload")   # from the least to the most saving
-MAX_DP_CELLS = 30_000_000    # candidate values x (units + 1)^2 that best_segments handles exactly
 MAX_PARTIAL = 32             # partial-recompute policies tried per stage and kind
-
-
-def kinds(recompute: str, offload: str, device: str, budgeted: bool) -> list[str]:
-    """Policies a stage may get, least saving first: ``all`` forces a policy, ``auto`` allows
-    it (only with a memory budget to meet; never offload on a CPU device, where it saves nothing)."""
-    def choices(mode: str, useful: bool = True) -> list[bool]:
-        return {"none": [False], "all": [True], "auto": [False, True] if budgeted and useful else [False]}[mode]
-    return [KINDS[2 * r + o] for r in choices(recompute) for o in choices(offload, device != "cpu")]
-
-
-def kind_words(kind: str) -> str:
-    """"recompute+offload" -> "recompute and offload", for messages."""
-    return kind.replace("+", " and ")
-
-
-def parse_bandwidth(text: str | float) -> float:
-    """Bytes per second from 12e9, "12GB/s" or "11.2GiB/s" (sizes as ``gems.units.parse_size``)."""
-    try:
-        if isinstance(text, (int, float)) and not isinstance(text, bool):
-            value = float(text)
-        else:
-            value = float(parse_size(re.sub(r"\s*/\s*s\s*$", "", str(text))))
-    except GemsError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise GemsError(f"the host bandwidth must be a positive rate such as 12GB/s or 12e9, got {text!r}")
-    return value
-
-
-def best_segments(start_cost: Sequence[int], remat: np.ndarray,
-                  terms: Sequence[tuple[float, bool, float]]) -> list[tuple[int, int]]:
-    """Cut units 0..L-1 into contiguous segments minimising max over terms (w, with_max, c) of
-
-        w * (sum of start_cost[a] over segment starts a) + (max remat[a, b] if with_max) + c
-
-    ``start_cost`` holds whole numbers (bytes); ``start_cost[0]`` is ignored (the first
-    segment's input is kept anyway); ``remat`` is (L+1) x (L+1), read for a < b. For every
-    candidate value M of the largest segment a DP finds the least start cost with every
-    segment <= M (all M at once, vectorised), so the result is exact; among equal peaks it
-    has the fewest segments. Past ``MAX_DP_CELLS`` the candidates are thinned evenly by rank
-    (stages of more than ~80 units), which may miss the optimum. Returns [(a, b), ...].
-    """
-    L = len(start_cost)
-    cost = np.rint(np.asarray(start_cost, dtype=np.float64))
-    cost[0] = 0.0
-    limits = np.unique(remat[np.triu_indices(L + 1, 1)])        # candidate values of M
-    limits = limits[limits >= remat[:L, L].min()]                 # some segment ends at L
-    most = max(2, MAX_DP_CELLS // (L + 1) ** 2)
-    if limits.size > most:
-        limits = limits[np.unique(np.linspace(0, limits.size - 1, most).round().astype(int))]
-    key = cost * (L + 1) + 1                      # total = cost * (L + 1) + segments, exactly
-    best = np.full((limits.size, L + 1), np.inf)
-    best[:, 0] = 0.0
-    parent = np.zeros((limits.size, L + 1), dtype=np.int64)
-    rows = np.arange(limits.size)
-    for j in range(1, L + 1):
-        candidates = np.where(remat[None, :j, j] <= limits[:, None], best[:, :j] + key[None, :j], np.inf)
-        parent[:, j] = np.argmin(candidates, axis=1)
-        best[:, j] = candidates[rows, parent[:, j]]
-    total = np.where(np.isfinite(best[:, L]), best[:, L], 0.0)
-    segments, starts = total % (L + 1), total // (L + 1)
-    values = np.full(limits.size, -np.inf)
-    for w, with_max, c in terms:
-        values = np.maximum(values, w * starts + (limits if with_max else 0.0) + c)
-    values[~np.isfinite(best[:, L])] = np.inf
-    k = int(np.lexsort((segments, values))[0])
-    chosen, j = [], L
-    while j > 0:
-        chosen.append((int(parent[k, j]), j))
-        j = int(parent[k, j])
-    return chosen[::-1]
 
 
 @dataclass(frozen=True)
@@ -194,7 +119,7 @@ class PolicyModel:
         """K[lo, hi]: bytes kept per micro-batch in flight when every stage has ``kind``
         (recompute: in natural segments, on the stages where it lowers the peak of one
         micro-batch; the others keep what they keep without a policy, as ``auto`` chooses)."""
-        if not _parts(kind)[0]:
+        if not parts(kind)[0]:
             return self._kept(kind)
         return self._matrix(f"kept where helps {kind}",
                             lambda: np.where(self.helps(kind), self._kept(kind), self.plain))
@@ -202,7 +127,7 @@ class PolicyModel:
     def extra(self, kind: str) -> np.ndarray:
         """X[lo, hi] >= ``StageMemory.extra`` when every stage has ``kind`` (as ``kept``;
         exact but for the rematerialised bytes, an upper bound)."""
-        if not _parts(kind)[0]:
+        if not parts(kind)[0]:
             return self._extra(kind)
         return self._matrix(f"extra where helps {kind}", lambda: np.where(self.helps(kind), self._extra(kind), 0.0))
 
@@ -212,7 +137,7 @@ class PolicyModel:
         return self._matrix(f"helps {kind}", lambda: self._kept(kind) + self._extra(kind) < self.plain)
 
     def _kept(self, kind: str) -> np.ndarray:
-        recompute, offload = _parts(kind)
+        recompute, offload = parts(kind)
         offload = offload and self.offload_works
         if not recompute and not offload:
             return self.plain
@@ -226,7 +151,7 @@ class PolicyModel:
             if not offload or s.nbytes < MIN_OFFLOAD_BYTES or s.boundaries], tiny_only=offload))
 
     def _extra(self, kind: str) -> np.ndarray:
-        recompute, _ = _parts(kind)
+        recompute, _ = parts(kind)
         if not recompute:
             return self._matrix(f"extra {kind}", lambda: self.plain - self._kept(kind))
         return self._matrix(f"extra {kind}", lambda: self._kept("recompute") - self._kept(kind)
@@ -266,7 +191,7 @@ class PolicyModel:
         """The activation matrix of other storages: bytes of D plus storages 'saved' inside."""
         if tiny_only:
             storages = [s if s.nbytes < MIN_OFFLOAD_BYTES else Storage(s.nbytes, (), s.boundaries) for s in storages]
-        return replace(self.profile, storages=storages, _matrix=None, _working=None).activation_matrix()
+        return segment_bytes(len(self.profile), storages)
 
     def _matrix(self, key: str, build) -> np.ndarray:
         if key not in self._matrices:
@@ -314,7 +239,7 @@ class PolicyModel:
 
     def choose(self, kind: str, lo: int, hi: int, holders: Sequence[Holder]) -> StagePolicy:
         """Stage [lo, hi) with ``kind``; recompute segments that minimise its peak on its holders."""
-        recompute, offload = _parts(kind)
+        recompute, offload = parts(kind)
         if not recompute:
             return StagePolicy(offload=offload)
         natural = StagePolicy(self.natural(lo, hi), offload)
@@ -341,7 +266,7 @@ class PolicyModel:
         segments ranked by bytes saved per second re-run on ``holders`` (free ones first, such
         as the last of an immediate forward), then the policies recomputing the first 1, 2, ...
         of them (not all; at most ``most``, evenly spaced)."""
-        recompute, offload = _parts(kind)
+        recompute, offload = parts(kind)
         segments = [list(s) for s in (self.natural(lo, hi) if segments is None else segments)]
         if not recompute or len(segments) < 2:
             return []
@@ -384,22 +309,4 @@ class PolicyModel:
             a, b = policy.recompute[-1]
             unchecked = prefix[b] - prefix[a]
         return holder.waiting * segments + (holder.handled - holder.waiting) * (segments - unchecked)
-
-
-def unit_seconds(profile: ModelProfile, rate: float,
-                 unit_times: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward seconds per unit for one micro-batch: FLOPs at ``rate`` FLOP/s, or
-    measured forward + backward ``unit_times`` split in the ratio of the FLOPs (1:2 without)."""
-    forward = np.array([u.forward_flops for u in profile.units], dtype=np.float64)
-    backward = np.array([u.backward_flops for u in profile.units], dtype=np.float64)
-    if unit_times is None:
-        return forward / rate, backward / rate
-    total = forward + backward
-    share = np.divide(forward, total, out=np.full(total.shape, 1 / 3), where=total > 0)
-    times = np.asarray(unit_times, dtype=np.float64)
-    return times * share, times * (1 - share)
-
-
-def _parts(kind: str) -> tuple[bool, bool]:
-    return "recompute" in kind, "offload" in kind
 

@@ -7,7 +7,7 @@ images profiles in seconds on a laptop. Three PyTorch tools do the measuring:
 * ``saved_tensors_hooks`` sees every tensor autograd keeps for backward; we record its
   *storage* (views and in-place results share one) and which units keep it;
 * ``FlopCounterMode`` counts forward and backward FLOPs;
-* a small dispatch mode (``_Allocations``) watches storages being created and freed, which
+* a small dispatch mode (``tracking.Allocations``) watches storages being created and freed, which
   gives the working memory a unit needs on top of what it keeps (temporaries in forward,
   gradient buffers in backward).
 
@@ -17,181 +17,28 @@ one copy of the largest tensor a convolution, batch norm or matmul touches, and 
 largest parameter gradient (computed before it is accumulated). Against the CPU allocator
 this lands within a few percent on whole models (``python -m gems.partition.accuracy``).
 
-Activation bytes of any stage
------------------------------
-A stage [lo, hi) keeps, per micro-batch in flight, every storage that is
-
-    saved by a unit inside the stage  |  or its input boundary  |  or its output boundary
-
-counted once. The input boundary stays alive because the runtime keeps the received input
-for the backward pass; the output boundary because backward starts from it. A storage
-saved by a unit of the stage but made before the stage can only have reached the stage
-through the input boundary, so the three sets describe exactly what the stage holds.
-``ModelProfile.activation_matrix()`` evaluates this for all (lo, hi) at once.
-
 Each unit runs on a detached copy of the previous unit's output (aliased back to it, so a
 unit that modifies its input in place is still profiled as in the whole model), which
 lets backward run unit by unit and measure each unit's gradient buffers separately.
+
+What comes out is plain records (``gems.partition.records``): per unit its bytes and FLOPs,
+and the storages kept or passed on, from which any stage is priced without running again.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
+from .records import ModelProfile, Storage, UnitProfile
+from .tracking import Allocations, StorageKeys, storage_bytes, tensor_bytes
 
 # Optimizer state per trainable parameter, in parameter sizes.
 OPTIMIZER_STATE = {"sgd": 1, "sgd-nomomentum": 0, "adam": 2, "adamw": 2}
-
-
-@dataclass(frozen=True)
-class UnitProfile:
-    """One unit at one micro-batch size. Bytes and FLOPs are per micro-batch."""
-
-    name: str
-    param_bytes: int          # all parameters
-    grad_bytes: int           # parameters that require grad (their .grad)
-    optimizer_bytes: int      # optimizer state for those parameters
-    buffer_bytes: int         # e.g. BatchNorm running statistics
-    saved_bytes: int          # storages this unit keeps for backward (parameters excluded)
-    output_shapes: tuple[tuple[int, ...], ...]   # per sample: batch dim dropped
-    output_dtypes: tuple[str, ...]
-    output_bytes: int         # what is sent to the next stage (sum of tensor sizes)
-    forward_flops: int
-    backward_flops: int
-    forward_working: int      # peak of new allocations during its forward (outputs and saved included)
-    backward_working: int     # output gradient + peak of new allocations during its backward
-
-    @property
-    def static_bytes(self) -> int:
-        """Memory the unit holds whatever the micro-batch: parameters, gradients, state, buffers."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
-
-
-@dataclass(frozen=True)
-class Storage:
-    """A storage some unit saves for backward or passes on across a unit boundary.
-
-    ``boundaries`` holds b for "in the output of unit b" (b = -1: the model input).
-    """
-
-    nbytes: int
-    savers: tuple[int, ...]
-    boundaries: tuple[int, ...]
-
-
-@dataclass
-class ModelProfile:
-    """Per-unit profile plus the storages needed to price any stage exactly."""
-
-    units: list[UnitProfile]
-    input_shapes: tuple[tuple[int, ...], ...]   # per sample
-    input_dtypes: tuple[str, ...]
-    micro_batch_size: int
-    dtype: str
-    optimizer: str
-    storages: list[Storage] = field(repr=False)
-    _matrix: np.ndarray | None = field(default=None, repr=False, compare=False)
-    _working: np.ndarray | None = field(default=None, repr=False, compare=False)
-
-    def __len__(self) -> int:
-        return len(self.units)
-
-    def activation_bytes(self, lo: int, hi: int) -> int:
-        """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""
-        return sum(s.nbytes for s in self.storages
-                   if (lo - 1) in s.boundaries or (hi - 1) in s.boundaries
-                   or any(lo <= u < hi for u in s.savers))
-
-    def activation_matrix(self) -> np.ndarray:
-        """A[lo, hi] = activation_bytes(lo, hi) for all 0 <= lo < hi <= n (float64, 0 elsewhere)."""
-        if self._matrix is None:
-            self._matrix = _activation_matrix(len(self.units), self.storages)
-        return self._matrix
-
-    def boundary_bytes(self) -> np.ndarray:
-        """B[b + 1] = bytes of the storages crossing boundary b (the output of unit b; b = -1: input)."""
-        out = np.zeros(len(self.units) + 1)
-        for s in self.storages:
-            for b in s.boundaries:
-                out[b + 1] += s.nbytes
-        return out
-
-    def working_matrix(self) -> np.ndarray:
-        """W[lo, hi] = how far the memory of one micro-batch's forward or backward through stage
-        [lo, hi) rises above ``activation_bytes(lo, hi)`` (its temporaries and gradients).
-
-        While unit u runs forward, the stage holds A[lo, u] (what units lo..u-1 keep, and u's
-        input) plus u's new allocations. While u runs backward, what units after u saved is
-        freed: the stage holds what units lo..u saved, its input and its output, plus u's
-        gradients and temporaries. The peak is the max over u of both.
-        """
-        if self._working is None:
-            A = self.activation_matrix()
-            S = _activation_matrix(len(self.units), self.storages, with_output=False)
-            B = self.boundary_bytes()
-            fwd = np.array([u.forward_working for u in self.units], dtype=np.float64)
-            bwd = np.array([u.backward_working for u in self.units], dtype=np.float64)
-            n = len(self.units)
-            W = np.zeros((n + 1, n + 1))
-            for lo in range(n):
-                before = np.concatenate([[B[lo]], A[lo, lo + 1:n]])      # A[lo, u] for u = lo..n-1
-                after = A[lo, lo + 1:]                                   # A[lo, u + 1], i.e. A[lo, hi]
-                forward = np.maximum.accumulate(before + fwd[lo:])
-                backward = after + bwd[lo:]                             # u = hi - 1
-                inner = np.maximum.accumulate(S[lo, lo + 1:] + bwd[lo:])  # u < hi - 1, plus the output:
-                backward[1:] = np.maximum(backward[1:], inner[:-1] + B[lo + 2:])
-                W[lo, lo + 1:] = np.maximum(np.maximum(forward, backward) - after, 0.0)
-            self._working = W
-        return self._working
-
-    def unit_sums(self, attribute: str) -> np.ndarray:
-        """Prefix sums of a per-unit quantity: S[hi] - S[lo] is its total over [lo, hi)."""
-        values = [getattr(u, attribute) for u in self.units]
-        return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
-
-
-def _activation_matrix(n: int, storages: Sequence[Storage], with_output: bool = True) -> np.ndarray:
-    """Vectorised ``activation_bytes`` for every segment (without the output boundary when
-    ``with_output`` is False).
-
-    A storage that never crosses a boundary is saved only by the unit that made it, so it
-    adds to every segment containing that unit (prefix sums). The few storages that cross
-    boundaries get an (n+1) x (n+1) mask each.
-    """
-    internal = np.zeros(n)
-    out = np.zeros((n + 1, n + 1))
-    lo = np.arange(n + 1)[:, None]
-    hi = np.arange(n + 1)[None, :]
-    for s in storages:
-        if not s.boundaries:
-            for u in s.savers:
-                internal[u] += s.nbytes
-            continue
-        # next_saver[lo] = first saver >= lo (n + 1 when none): saved inside iff it is < hi.
-        next_saver = np.full(n + 1, n + 1)
-        for u in sorted(s.savers, reverse=True):
-            next_saver[: u + 1] = u
-        bounds = np.zeros(n + 1, dtype=bool)
-        for b in s.boundaries:
-            bounds[b + 1] = True  # boundary b is the input of segment lo = b+1 and output of hi = b+1
-        mask = bounds[:, None] | (next_saver[:, None] < hi)
-        if with_output:
-            mask |= bounds[None, :]
-        out += s.nbytes * mask
-    prefix = np.concatenate([[0.0], np.cumsum(internal)])
-    out += prefix[None, :] - prefix[:, None]
-    out[lo >= hi] = 0.0
-    return out
 
 
 def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: int,
@@ -229,8 +76,8 @@ class _Run:
                  dtype: torch.dtype, optimizer: str, model_name: str) -> None:
         self.units, self.names, self.batch = units, names, batch
         self.input_shape, self.dtype, self.optimizer, self.model_name = input_shape, dtype, optimizer, model_name
-        self.keys = _StorageKeys()
-        self.allocations = _Allocations()
+        self.keys = StorageKeys()
+        self.allocations = Allocations()
         self.flops = FlopCounterMode(display=False)
         self.params, self.buffers = zip(*(_fake_state(u, dtype) for u in units))
         self.static = {self.keys(t) for state in (*self.params, *self.buffers) for t in state.values()}
@@ -240,7 +87,7 @@ class _Run:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self.keys(t)
         if key not in self.static:
-            self.saved.setdefault(key, (_storage_bytes(t), set()))[1].add(self.unit)
+            self.saved.setdefault(key, (storage_bytes(t), set()))[1].add(self.unit)
         return t
 
     def result(self) -> ModelProfile:
@@ -275,7 +122,7 @@ class _Run:
         shapes = [[(tuple(t.shape[1:]), _dtype_name(t.dtype), t.numel() * t.element_size()) for t in b]
                   for b in boundaries]
         boundary_keys = [[self.keys(t) for t in b] for b in boundaries]
-        nbytes = {self.keys(t): _storage_bytes(t) for b in boundaries for t in b}
+        nbytes = {self.keys(t): storage_bytes(t) for b in boundaries for t in b}
         del boundaries
         for i in reversed(range(n)):
             pairs = [(t, g) for t, g in zip(outputs[i], grads) if g is not None and t.requires_grad]
@@ -288,8 +135,8 @@ class _Run:
             # accumulated: count the largest one as working memory.
             param_grads = [p.grad for p in self.params[i].values() if p.grad is not None]
             ignore = self.allocations.serials(param_grads)
-            bwd_working[i] = (sum(_storage_bytes(g) for _, g in pairs) + self.allocations.peak_since(start, ignore)
-                              + max((_tensor_bytes(g) for g in param_grads), default=0)
+            bwd_working[i] = (sum(storage_bytes(g) for _, g in pairs) + self.allocations.peak_since(start, ignore)
+                              + max((tensor_bytes(g) for g in param_grads), default=0)
                               + self.allocations.largest_operand)
             grads = [leaf.grad for leaf in leaves[i]]
             outputs[i] = []
@@ -299,14 +146,14 @@ class _Run:
         factor = OPTIMIZER_STATE[self.optimizer]
         profiles = []
         for i in range(n):
-            trainable = sum(_tensor_bytes(p) for p in self.params[i].values() if p.requires_grad)
+            trainable = sum(tensor_bytes(p) for p in self.params[i].values() if p.requires_grad)
             out = shapes[i + 1]
             profiles.append(UnitProfile(
                 name=self.names[i],
-                param_bytes=sum(_tensor_bytes(p) for p in self.params[i].values()),
+                param_bytes=sum(tensor_bytes(p) for p in self.params[i].values()),
                 grad_bytes=trainable,
                 optimizer_bytes=factor * trainable,
-                buffer_bytes=sum(_tensor_bytes(b) for b in self.buffers[i].values()),
+                buffer_bytes=sum(tensor_bytes(b) for b in self.buffers[i].values()),
                 saved_bytes=sum(s.nbytes for s in storages if i in s.savers),
                 output_shapes=tuple(shape for shape, _, _ in out),
                 output_dtypes=tuple(dt for _, dt, _ in out),
@@ -367,89 +214,6 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _StorageKeys:
-    """Stable keys for storages (views share a key); ``alias`` makes a copy count as its original."""
-
-    def __init__(self) -> None:
-        self._alias: dict[int, int] = {}
-        self._pinned: list[torch.UntypedStorage] = []   # aliased copies stay alive: their ids stay unique
-
-    def __call__(self, t: torch.Tensor) -> int:
-        key = id(t.untyped_storage())
-        return self._alias.get(key, key)
-
-    def alias(self, copy: torch.Tensor, original: torch.Tensor) -> None:
-        storage = copy.untyped_storage()
-        self._pinned.append(storage)
-        self._alias[id(storage)] = self(original)
-
-
-# Ops whose kernels take scratch memory the fake run cannot see (oneDNN reorders weights and
-# activations to blocked layouts, cuDNN takes convolution workspace): a unit's working memory
-# allows one copy of the largest tensor such an op reads or writes.
-_WORKSPACE_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
-                  "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "mm", "addmm", "bmm",
-                  "_batch_norm_with_update", "batch_norm_backward", "cudnn_convolution", "cudnn_batch_norm"}
-
-
-class _Allocations(TorchDispatchMode):
-    """Logs every storage created and freed while active: a live-bytes timeline.
-
-    Each new storage gets a serial number; ``peak_since`` replays the log from a mark,
-    optionally ignoring some storages (e.g. parameter gradients, counted as static memory).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._log: list[tuple[int, int]] = []      # (serial, +bytes / -bytes)
-        self._serial: dict[int, int] = {}          # id(storage) -> serial, while alive
-        self._next = 0
-        self.largest_operand = 0                   # bytes of the largest tensor an op has read or written
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # Views, in-place and out= results reuse an input's storage: not an allocation.
-        operands = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        inputs = {id(t.untyped_storage()) for t in operands}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                operands.append(t)
-                storage = t.untyped_storage()
-                if id(storage) not in self._serial and id(storage) not in inputs:
-                    self._track(storage)
-        if func.name().split("::")[-1].split(".")[0] in _WORKSPACE_OPS:
-            self.largest_operand = max([self.largest_operand, *(_tensor_bytes(t) for t in operands)])
-        return out
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        serial, nbytes, key = self._next, storage.nbytes(), id(storage)
-        self._next += 1
-        self._serial[key] = serial
-        self._log.append((serial, nbytes))
-        weakref.finalize(storage, self._free, key, serial, nbytes)
-
-    def _free(self, key: int, serial: int, nbytes: int) -> None:
-        if self._serial.get(key) == serial:
-            del self._serial[key]
-        self._log.append((serial, -nbytes))
-
-    def mark(self) -> int:
-        """Start a window: returns the log position, resets ``largest_operand``."""
-        self.largest_operand = 0
-        return len(self._log)
-
-    def serials(self, tensors: Sequence[torch.Tensor]) -> set[int]:
-        return {self._serial[id(t.untyped_storage())] for t in tensors if id(t.untyped_storage()) in self._serial}
-
-    def peak_since(self, start: int, ignore: set[int] = frozenset()) -> int:
-        live = peak = 0
-        for serial, delta in self._log[start:]:
-            if serial not in ignore:
-                live += delta
-                peak = max(peak, live)
-        return peak
-
-
 def _fake_state(unit: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fake parameters and buffers of one unit, by shape (the real ones are never read)."""
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -466,14 +230,6 @@ def _as_tuple(x: object, what: str) -> tuple[torch.Tensor, ...]:
         return tuple(x)
     raise GemsError(f"{what} returns {type(x).__name__}, not a tensor or a tuple of tensors: "
                     "make every unit return tensors only")
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

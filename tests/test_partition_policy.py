@@ -12,8 +12,10 @@ from gems.errors import GemsError
 from gems.models import build
 from gems.partition import Plan, StagePolicy, plan, profile
 from gems.partition.accuracy import toy_model
-from gems.partition.costs import CostModel
-from gems.partition.policy import KINDS, Holder, PolicyModel, best_segments, kinds, parse_bandwidth, unit_seconds
+from gems.partition.costs import CostModel, unit_seconds
+from gems.partition.options import KINDS, kinds, parse_bandwidth
+from gems.partition.policy import Holder, PolicyModel
+from gems.partition.segments import best_segments
 from gems.pipeline.schedule import SCHEDULES
 
 SHAPE = (3, 32, 32)

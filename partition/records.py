@@ -1,0 +1,169 @@
+"""What the profile measured, unit by unit, and what follows from it for any stage.
+
+``gems.partition.profile`` fills these records once, in one fake run; everything after it
+(the prices, the solver, the plan) reads them and never runs the model again. A
+``UnitProfile`` holds one unit's bytes and FLOPs; a ``Storage`` one tensor storage that
+some unit keeps for backward or passes on; a ``ModelProfile`` both, plus the aggregates
+over segments of units that every price starts from (activations, working memory, sums).
+
+Activation bytes of any stage
+-----------------------------
+A stage [lo, hi) keeps, per micro-batch in flight, every storage that is
+
+    saved by a unit inside the stage  |  or its input boundary  |  or its output boundary
+
+counted once. The input boundary stays alive because the runtime keeps the received input
+for the backward pass; the output boundary because backward starts from it. A storage
+saved by a unit of the stage but made before the stage can only have reached the stage
+through the input boundary, so the three sets describe exactly what the stage holds.
+``ModelProfile.activation_matrix()`` evaluates this for all (lo, hi) at once, and
+``segment_bytes`` for any list of storages (the memory policies price what they keep with it).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """One unit at one micro-batch size. Bytes and FLOPs are per micro-batch."""
+
+    name: str
+    param_bytes: int          # all parameters
+    grad_bytes: int           # parameters that require grad (their .grad)
+    optimizer_bytes: int      # optimizer state for those parameters
+    buffer_bytes: int         # e.g. BatchNorm running statistics
+    saved_bytes: int          # storages this unit keeps for backward (parameters excluded)
+    output_shapes: tuple[tuple[int, ...], ...]   # per sample: batch dim dropped
+    output_dtypes: tuple[str, ...]
+    output_bytes: int         # what is sent to the next stage (sum of tensor sizes)
+    forward_flops: int
+    backward_flops: int
+    forward_working: int      # peak of new allocations during its forward (outputs and saved included)
+    backward_working: int     # output gradient + peak of new allocations during its backward
+
+    @property
+    def static_bytes(self) -> int:
+        """Memory the unit holds whatever the micro-batch: parameters, gradients, state, buffers."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A storage some unit saves for backward or passes on across a unit boundary.
+
+    ``boundaries`` holds b for "in the output of unit b" (b = -1: the model input).
+    """
+
+    nbytes: int
+    savers: tuple[int, ...]
+    boundaries: tuple[int, ...]
+
+
+@dataclass
+class ModelProfile:
+    """Per-unit profile plus the storages needed to price any stage exactly."""
+
+    units: list[UnitProfile]
+    input_shapes: tuple[tuple[int, ...], ...]   # per sample
+    input_dtypes: tuple[str, ...]
+    micro_batch_size: int
+    dtype: str
+    optimizer: str
+    storages: list[Storage] = field(repr=False)
+    _matrix: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _working: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def activation_bytes(self, lo: int, hi: int) -> int:
+        """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""
+        return sum(s.nbytes for s in self.storages
+                   if (lo - 1) in s.boundaries or (hi - 1) in s.boundaries
+                   or any(lo <= u < hi for u in s.savers))
+
+    def activation_matrix(self) -> np.ndarray:
+        """A[lo, hi] = activation_bytes(lo, hi) for all 0 <= lo < hi <= n (float64, 0 elsewhere)."""
+        if self._matrix is None:
+            self._matrix = segment_bytes(len(self.units), self.storages)
+        return self._matrix
+
+    def boundary_bytes(self) -> np.ndarray:
+        """B[b + 1] = bytes of the storages crossing boundary b (the output of unit b; b = -1: input)."""
+        out = np.zeros(len(self.units) + 1)
+        for s in self.storages:
+            for b in s.boundaries:
+                out[b + 1] += s.nbytes
+        return out
+
+    def working_matrix(self) -> np.ndarray:
+        """W[lo, hi] = how far the memory of one micro-batch's forward or backward through stage
+        [lo, hi) rises above ``activation_bytes(lo, hi)`` (its temporaries and gradients).
+
+        While unit u runs forward, the stage holds A[lo, u] (what units lo..u-1 keep, and u's
+        input) plus u's new allocations. While u runs backward, what units after u saved is
+        freed: the stage holds what units lo..u saved, its input and its output, plus u's
+        gradients and temporaries. The peak is the max over u of both.
+        """
+        if self._working is None:
+            A = self.activation_matrix()
+            S = segment_bytes(len(self.units), self.storages, with_output=False)
+            B = self.boundary_bytes()
+            fwd = np.array([u.forward_working for u in self.units], dtype=np.float64)
+            bwd = np.array([u.backward_working for u in self.units], dtype=np.float64)
+            n = len(self.units)
+            W = np.zeros((n + 1, n + 1))
+            for lo in range(n):
+                before = np.concatenate([[B[lo]], A[lo, lo + 1:n]])      # A[lo, u] for u = lo..n-1
+                after = A[lo, lo + 1:]                                   # A[lo, u + 1], i.e. A[lo, hi]
+                forward = np.maximum.accumulate(before + fwd[lo:])
+                backward = after + bwd[lo:]                             # u = hi - 1
+                inner = np.maximum.accumulate(S[lo, lo + 1:] + bwd[lo:])  # u < hi - 1, plus the output:
+                backward[1:] = np.maximum(backward[1:], inner[:-1] + B[lo + 2:])
+                W[lo, lo + 1:] = np.maximum(np.maximum(forward, backward) - after, 0.0)
+            self._working = W
+        return self._working
+
+    def unit_sums(self, attribute: str) -> np.ndarray:
+        """Prefix sums of a per-unit quantity: S[hi] - S[lo] is its total over [lo, hi)."""
+        values = [getattr(u, attribute) for u in self.units]
+        return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+
+
+def segment_bytes(n: int, storages: Sequence[Storage], with_output: bool = True) -> np.ndarray:
+    """Vectorised ``ModelProfile.activation_bytes`` of these storages for every segment of n
+    units (without the output boundary when ``with_output`` is False).
+
+    A storage that never crosses a boundary is saved only by the unit that made it, so it
+    adds to every segment containing that unit (prefix sums). The few storages that cross
+    boundaries get an (n+1) x (n+1) mask each.
+    """
+    internal = np.zeros(n)
+    out = np.zeros((n + 1, n + 1))
+    lo = np.arange(n + 1)[:, None]
+    hi = np.arange(n + 1)[None, :]
+    for s in storages:
+        if not s.boundaries:
+            for u in s.savers:
+                internal[u] += s.nbytes
+            continue
+        # next_saver[lo] = first saver >= lo (n + 1 when none): saved inside iff it is < hi.
+        next_saver = np.full(n + 1, n + 1)
+        for u in sorted(s.savers, reverse=True):
+            next_saver[: u + 1] = u
+        bounds = np.zeros(n + 1, dtype=bool)
+        for b in s.boundaries:
+            bounds[b + 1] = True  # boundary b is the input of segment lo = b+1 and output of hi = b+1
+        mask = bounds[:, None] | (next_saver[:, None] < hi)
+        if with_output:
+            mask |= bounds[None, :]
+        out += s.nbytes * mask
+    prefix = np.concatenate([[0.0], np.cumsum(internal)])
+    out += prefix[None, :] - prefix[:, None]
+    out[lo >= hi] = 0.0
+    return out
+
