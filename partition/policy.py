@@ -34,10 +34,10 @@ On a CPU device host memory is device memory: offloading saves nothing (nor is i
 A stage's segmentation minimises its peak: with S = bytes of the segment inputs kept and M =
 the largest segment's rematerialised bytes, each position holding it costs w S + M + c for
 constants w, c that depend on f and offloading (``segments.best_segments``: exact, by a DP
-over every candidate value of M), then checked against two fixed segmentations at exact prices. The
-solver, which prices every [lo, hi) at once, uses "natural" segments (``PolicyModel.natural``:
-a new segment wherever the next unit saves its input anyway, so recomputing never keeps more
-than no policy; one per unit for ResNets).
+over every candidate value of M), then checked against two fixed segmentations at exact
+prices. The solver, which prices every [lo, hi) at once, uses "natural" segments
+(``PolicyModel.natural``: a new segment wherever the next unit saves its input anyway, so
+recomputing never keeps more than no policy; one per unit for ResNets).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import numpy as np
 
 from gems.plan import MIN_OFFLOAD_BYTES, StagePolicy
 from .options import HOST_BANDWIDTH, parts
-from .options import MODES, parse_bandwidth  # noqa: F401  (gems.cli.plan imports them from here)
 from .records import ModelProfile, Storage, segment_bytes
 from .segments import best_segments
 

@@ -63,7 +63,7 @@ def class_count(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from gems.partition import BALANCE_BY, OPTIMIZER_STATE
-    from gems.partition.policy import MODES, parse_bandwidth
+    from gems.partition.options import MODES, parse_bandwidth
     from gems.pipeline.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
