@@ -123,3 +123,14 @@ def run_mpi(n: int, script: str | os.PathLike, *args: str, timeout: float = 60.0
 def _run_mpi_fixture():
     """The ``run_mpi`` function, as a fixture."""
     return run_mpi
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Many loopback rank threads share few cores: one intra-op thread each (module-wide)."""
+    import torch  # noqa: PLC0415 - conftest stays cheap for tests that never touch torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,17 +25,9 @@ from gems.errors import GemsError
 
 from equivalence import batch_size, check_reference, data, optimizer, per_rank, reference, run_loopback
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 COMM_CALLS = ("isend", "irecv", "ibatch", "iallreduce", "ibroadcast", "iallgather_bytes", "ibarrier")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_engine(comm, copies, plans, **kwargs) -> gems.Engine:

@@ -22,16 +22,7 @@ from gems.pipeline.schedule import SCHEDULES
 
 from equivalence import batch_size, check_copies, describe, reference, run_loopback
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many rank threads share few cores: one intra-op thread each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def layouts(Ks=(1, 2, 3, 4), ms=(1, 2), Ds=(1, 2), schedules=SCHEDULES) -> list[tuple[str, int, int, int]]:

@@ -35,6 +35,7 @@ class Executor:
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
         self.timer = ActionTimer(device)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.current: ir.Action | None = None   # the action running (for error reports)
         self.loss = torch.zeros(1, dtype=torch.float64, device=device)
         self.applied, self.global_loss = True, 0.0
         self._stash: dict[Key, tuple] = {}          # forward's (inputs, outputs) until its backward
@@ -48,12 +49,12 @@ class Executor:
                      ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop(_key(a))),
                      ir.SYNC: self._sync, ir.STEP: self._step}
 
-    def run(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> ir.Action | None:
+    def run(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> None:
         """Run the step's actions on this group's ``images``/``labels``. Raises what an action
         raised, with ``self.current`` the action that raised (None: posting the first receives)."""
         self._images, self._labels = images, labels
         self.loss.zero_()
-        self.current: ir.Action | None = None
+        self.current = None
         timer, now = self.timer, self.timer.now
         self.messenger.begin_step()
         timer.begin_step()
