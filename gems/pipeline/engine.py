@@ -7,7 +7,7 @@ a module of its own:
 
     MicroBatches  (batches)   rows of the global batch per group, replica, micro-batch; loss scale
     StageRunner   (stage)     one stage's forward under its memory policy (recompute, offload)
-    Messenger     (p2p)       the transfers the action list names, receives posted ahead
+    Messenger     (p2p)       the transfers the action list names, in the pair's wire order
     GradSync      (gradsync)  gradient bucket, BatchNorm statistics, clipping, non-finite skip
     Executor      (executor)  the action loop
     StageState    (state)     state dicts and optimizer state keyed by the model's names
@@ -54,7 +54,7 @@ class Engine:
         device: where the stages run; default the communicator's (``cuda:<local rank>`` when
             CUDA is present, else CPU).
         timeout: seconds a rank waits on a peer before aborting the job.
-        prefetch: receives posted ahead of need.
+        prefetch: receives posted ahead of need (within the wire order, see ``gems.pipeline.p2p``).
         clip_grad_norm: scale gradients so their global L2 norm (all stages) is at most this.
         autocast: run stage forwards under ``torch.autocast`` with this dtype (e.g. bfloat16);
             boundaries still travel in the plan's dtypes.
@@ -84,7 +84,8 @@ class Engine:
         self.K, self.m = plan.stages, plan.micro_batches
         self.topology = Topology(comm.size, self.K, plan.schedule)
         self.group, self.position = self.topology.coords(comm.rank)
-        self.actions = sch.schedule(plan.schedule, self.K, self.m)[self.position]
+        lists = sch.schedule(plan.schedule, self.K, self.m)
+        self.actions = lists[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         model_keys = list(model.state_dict().keys())
@@ -95,7 +96,7 @@ class Engine:
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm)
         self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])
         self.grads.keep_grads_in_bucket(self.optimizer)
-        messenger = Messenger(comm, self.topology, self.actions, plan.stage_output_shapes,
+        messenger = Messenger(comm, self.topology, lists, self.position, plan.stage_output_shapes,
                               plan.stage_output_dtypes, batches.rows_per_micro, self.device, prefetch)
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,

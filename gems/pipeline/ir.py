@@ -26,8 +26,22 @@ Messages
 A send and its receive name the same :class:`Message`: ``(kind, replica, micro, boundary, src,
 dst)``, where boundary b is the cut between stage b and stage b+1 and src/dst are positions of
 the group. Both ends compute it from their own action (``Action.message(position)``), so they
-agree on the message's identity, its wire tag (``Message.tag``) and -- because each position's
-list is fixed -- the order in which the transfers between any two positions are posted.
+agree on the message's identity and its wire tag (``Message.tag``).
+
+Wire order
+----------
+Tags are not enough on every transport: NCCL ignores them and runs a pair's sends and receives
+in the order they were posted, so the two ends of a pair must post the transfers between them in
+one and the same order, and no end may post a receive ahead of a send its peer is waiting for.
+Each position's list orders only its own actions, and two lists may cross (one sends an
+activation while the other sends a gradient). :func:`wire_order` gives each pair one order that
+both can follow: the order of the messages' sends in :func:`replay`, a run of all lists with
+buffered sends and blocking receives. Posting the transfers toward each peer in that order --
+receives as early as wanted, but every receive before any later send to that peer -- cannot
+deadlock a transport with one ordered queue per pair and cannot swap two messages: by induction
+over the replay, the first send the replay made that a real run has not completed finds every
+transfer ahead of it posted on both sides, in the same order (tests/test_equivalence.py runs
+every layout under such a transport).
 Later features extend this module (split backward, forward-only evaluation, halo exchanges):
 a new kind of work is a new action kind here, not a side channel.
 """
@@ -114,7 +128,38 @@ def describe_action(action: Action) -> str:
     return f"{action.op} of stage {action.stage}, replica {action.replica}, micro-batch {action.micro}"
 
 
-def transfers(actions: list[Action], position: int, peer: int) -> list[Message]:
-    """The messages between ``position`` and ``peer`` (both directions), in the order
-    ``position`` posts them: what a transport with one ordered queue per pair must match."""
-    return [a.message(position) for a in actions if (a.op in SENDS or a.op in RECVS) and a.peer == peer]
+def replay(lists: list[list[Action]]) -> list[tuple[int, Action]]:
+    """Every position's actions as one sequence ``(position, action)``: a run of ``lists`` with
+    buffered sends and blocking receives, positions taking turns (each goes on until it waits
+    for a message not yet sent). Deterministic, so every rank computes the same sequence.
+    ValueError naming where each position is stuck if the lists deadlock."""
+    pc = [0] * len(lists)
+    sent: set[Message] = set()
+    order: list[tuple[int, Action]] = []
+    progress = True
+    while progress:
+        progress = False
+        for p, actions in enumerate(lists):
+            while pc[p] < len(actions):
+                a = actions[pc[p]]
+                if a.op in RECVS and a.message(p) not in sent:
+                    break
+                if a.op in SENDS:
+                    sent.add(a.message(p))
+                order.append((p, a))
+                pc[p] += 1
+                progress = True
+    stuck = [f"position {p} at {lists[p][pc[p]]}" for p in range(len(lists)) if pc[p] < len(lists[p])]
+    if stuck:
+        raise ValueError("deadlock: " + "; ".join(stuck))
+    return order
+
+
+def wire_order(lists: list[list[Action]], position: int) -> dict[int, list[Message]]:
+    """For each peer of ``position``, every message between the two (both directions) in the
+    order both ends post them: the order of their sends in ``replay(lists)`` (see "Wire order")."""
+    order: dict[int, list[Message]] = {}
+    for p, a in replay(lists):
+        if a.op in SENDS and position in (p, a.peer):
+            order.setdefault(a.peer if p == position else p, []).append(a.message(p))
+    return order

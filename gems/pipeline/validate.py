@@ -8,7 +8,7 @@ sends and blocking receives (an MPI-like transport).
 """
 from __future__ import annotations
 
-from gems.pipeline.ir import BACKWARD, COMPUTE, FORWARD, RECV_GRAD, RECV_ACT, RECVS, SENDS, STEP, SYNC, Action
+from gems.pipeline.ir import BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS, SENDS, STEP, SYNC, Action, replay
 from gems.pipeline.schedule import position_of, replicas
 
 
@@ -53,7 +53,7 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
         if tail != [SYNC, STEP] or actions[-1].op != STEP:
             raise ValueError(f"position {p}: must end with one sync then one step, got {tail}")
     _check_messages(lists)
-    _run(lists)
+    replay(lists)
 
 
 def _check_messages(lists: list[list[Action]]) -> None:
@@ -71,24 +71,3 @@ def _check_messages(lists: list[list[Action]]) -> None:
                 book.add(msg)
     if sends != recvs:
         raise ValueError(f"unmatched messages: {sorted(map(str, sends ^ recvs))[:3]}")
-
-
-def _run(lists: list[list[Action]]) -> None:
-    """Execute the lists with buffered sends and blocking receives; fail on deadlock."""
-    pc = [0] * len(lists)
-    posted: set[tuple] = set()
-    progress = True
-    while progress:
-        progress = False
-        for p, actions in enumerate(lists):
-            while pc[p] < len(actions):
-                a = actions[pc[p]]
-                if a.op in RECVS and a.message(p) not in posted:
-                    break
-                if a.op in SENDS:
-                    posted.add(a.message(p))
-                pc[p] += 1
-                progress = True
-    stuck = [f"position {p} at {lists[p][pc[p]]}" for p in range(len(lists)) if pc[p] < len(lists[p])]
-    if stuck:
-        raise ValueError("deadlock: " + "; ".join(stuck))
