@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         model = models.build(args.model, num_classes=10)
     plain, policed = largest_side(model, args, "none"), largest_side(model, args, "auto")
+    if plain == 0:
+        sys.exit(f"out_of_core: {args.model} does not fit {format_size(args.budget)} per rank even at side "
+                 f"{args.side_step} without policies; raise --budget or lower --side-step")
     print(f"{args.model}, {args.schedule} K={args.stages} m={args.micro_batches}, batch {args.batch_size}, "
           f"budget {format_size(args.budget)} per rank: largest side {plain} without policies, {policed} with "
           f"auto -> {policed / max(plain, 1):.2f}x the side, {(policed / max(plain, 1)) ** 2:.2f}x the pixels",

@@ -16,7 +16,7 @@ ROW = re.compile(r"^\s*(\d+)  (none, no budget|none|all|auto)\s+(.+?)\s+([\d.]+)
 def test_out_of_core_benchmark_reports_sides_policies_times_and_estimates():
     env = {**os.environ, "GEMS_MPIEXEC": mpiexec()}
     result = subprocess.run([sys.executable, str(SCRIPT), "--model", "preact-resnet110", "--budget", "40MiB",
-                             "--side-step", "8", "--max-side", "128", "--steps", "3", "--between", "1"],
+                             "--side-step", "8", "--max-side", "96", "--steps", "2", "--between", "0"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -169,7 +169,7 @@ def tiny_checkpoint(tmp_path_factory):
     return ck
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--stages", "2"], "cannot form pipelines of 2 stages"),
     (["--stages", "1", "--batch-size", "3"], "use a multiple of 2"),
     (["--stages", "1", "--model", "nosuchnet"], "nosuchnet"),
@@ -181,13 +181,38 @@ def tiny_checkpoint(tmp_path_factory):
     (["--stages", "1", "--memory-budget", "40GB?"], "40GB?"),
     (["--stages", "1", "--memory-budget", "100KiB"], "no number of stages fits"),
     (["--stages", "1", "--memory-budget", "250KiB"], "does not fit --memory-budget 250.00 KiB: position 0"),
-])
-def test_bad_input_is_one_sentence_and_exit_2(args, message):
+]
+
+
+def one_sentence(code, stderr: str, message: str) -> None:
+    assert code == 2, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+@pytest.fixture(scope="module")
+def bad_input_outcomes():
+    """Every BAD_INPUT command line through gems-train's main in one process (see cli_cases.py)."""
+    argvs = [[*BASE, "--batch-size", "2", *args] for args, _ in BAD_INPUT]
+    result = subprocess.run([sys.executable, str(DISTRIBUTED / "cli_cases.py"), "gems.cli.train", json.dumps(argvs)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("index", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
+def test_bad_input_is_one_sentence_and_exit_2(index, bad_input_outcomes):
+    outcome = bad_input_outcomes[index]
+    one_sentence(outcome["code"], outcome["stderr"], BAD_INPUT[index][1])
+
+
+@pytest.mark.parametrize("args,message", [BAD_INPUT[0], BAD_INPUT[7]])
+def test_bad_input_as_a_real_process(args, message):
+    """The same promise through the installed command: the process's own exit status and stderr."""
     result = single(*BASE, "--batch-size", "2", *args)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    one_sentence(result.returncode, result.stderr, message)
 
 
 def test_resume_checks(tmp_path, tiny_checkpoint):

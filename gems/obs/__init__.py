@@ -1,0 +1,4 @@
+"""Measuring a run: memory metering against the plan's estimates (``memory``) and Chrome-trace
+export of the executor's timed actions (``trace``). Sits above the pipeline runtime, whose
+action kinds and timer it reads, and below the training application and benchmarks.
+"""

@@ -114,8 +114,8 @@ def install(fault: Fault) -> None:
         real = getattr(Executor, name)
 
         def wrapped(self, a):
-            if fault.hit(at, self.messenger.rank, a):
-                fault.die(self.messenger.rank, a)
+            if fault.hit(at, self.messenger.comm.rank, a):
+                fault.die(self.messenger.comm.rank, a)
             return real(self, a)
         setattr(Executor, name, wrapped)
 
@@ -126,8 +126,8 @@ def install(fault: Fault) -> None:
 
     def send(self, a, tensors):  # die with the message started
         real_send(self, a, tensors)
-        if fault.hit("send", self.rank, a):
-            fault.die(self.rank, a)
+        if fault.hit("send", self.comm.rank, a):
+            fault.die(self.comm.rank, a)
 
     def apply(self, optimizer):
         if fault.hit("step", self.comm.rank):
