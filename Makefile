@@ -11,7 +11,7 @@ NP ?= 2
 TRAIN_ARGS ?= --model resnet18 --num-classes 10 --image-size 2048 --batch-size 2 \
               --stages 2 --schedule mast --steps 3
 
-.PHONY: install train test clean
+.PHONY: install train test gpu-check clean
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,21 @@ train: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The GPU acceptance run, for a GPU machine without network: the Python found there (its own
+# torch, 2.11 or later, mpi4py, pytest), nothing installed from an index. WHEELS=DIR installs the
+# wheel files in DIR first (e.g. mpich, where mpi4py finds no MPI library; see README "GPU check").
+GPU_PY ?= python3
+WHEELS ?=
+GPU_SITE := /tmp/gems-gpu-wheels
+gpu-check:
+ifneq ($(WHEELS),)
+	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} GEMS_MPIEXEC=$(GPU_SITE)/bin/mpiexec \
+	    $(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md
+else
+	$(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md
+endif
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -134,3 +134,7 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; run by `make gpu-check` (skipped without a GPU)")

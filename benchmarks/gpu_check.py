@@ -1,0 +1,195 @@
+"""The GPU acceptance run behind ``make gpu-check``: for a machine with one or more GPUs and no
+network. It installs nothing; it uses the torch it finds (2.11 or later) and the MPI that mpi4py
+finds (see the README's "GPU check" for bringing MPICH as a wheel file where there is none).
+
+    python benchmarks/gpu_check.py --report gpu-check-report.md
+
+1. The tests marked ``gpu`` (tests/test_gpu.py): CUDA memory vs the plan at 1024² and 2048²,
+   offload with streams (same parameters, hidden copy time), bf16 autocast, no stream-wide
+   synchronize inside a step, the budget enforced through the allocator's fraction.
+2. gems-train, resnet50 at 2048², K=2 mast on two ranks sharing GPU 0 (``--allow-shared-gpu``),
+   and gems-bench on the same layout for images/s and the bubble.
+3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
+
+The report (Markdown, and JSON beside it) holds what each part measured, copied from the real
+output: images/s, per-rank peak memory measured vs estimated, bubble, offload overlap. Exit
+status: 0 when every part passed, 1 otherwise (the report says which part failed and why).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LAYOUT = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", "--batch-size", "2",
+          "--stages", "2"]
+
+
+def importable_gems(work: Path) -> dict:
+    """The environment that makes ``import gems`` work in this process and its children: as it is
+    when gems is installed; else a folder of links shaped like the installed package (partition/
+    and models/ become gems.partition and gems.models, as setup.py maps them) put on PYTHONPATH,
+    so nothing needs pip, setuptools or a network."""
+    try:
+        import gems.partition  # noqa: F401, PLC0415
+
+        return {}
+    except ImportError:
+        pass
+    package = work / "gems"
+    package.mkdir()
+    for entry in (REPO / "gems").iterdir():
+        (package / entry.name).symlink_to(entry)
+    (package / "partition").symlink_to(REPO / "partition")
+    (package / "models").symlink_to(REPO / "models")
+    sys.path.insert(0, str(work))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}
+
+
+def launcher() -> str | None:
+    """mpiexec: $GEMS_MPIEXEC, else the one beside this Python (an mpich wheel's), else PATH's."""
+    for candidate in (os.environ.get("GEMS_MPIEXEC"), str(BIN / "mpiexec"), shutil.which("mpiexec")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def command(name: str) -> list[str]:
+    """A gems console script, or ``python -m`` its module where the script is not installed."""
+    script = BIN / name
+    module = {"gems-train": "gems.cli.train", "gems-bench": "gems.cli.bench"}[name]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", module]
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = "timeout", exc.stdout or "", f"still running after {timeout:g} s"
+        out = out.decode() if isinstance(out, bytes) else out
+    return {"command": " ".join(cmd), "code": code, "seconds": round(time.monotonic() - start, 1),
+            "stdout": out[-6000:], "stderr": (err or "")[-3000:]}
+
+
+def environment() -> dict:
+    import torch  # noqa: PLC0415
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        info["mpi"] = MPI.Get_library_version().splitlines()[0]
+    except Exception as exc:  # noqa: BLE001 -- reported, and the MPI parts are skipped
+        info["mpi"] = f"unavailable: {type(exc).__name__}: {exc}"
+    info["mpiexec"] = launcher()
+    return info
+
+
+def gpu_tests(figures_file: Path) -> dict:
+    result = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
+                  "tests/test_gpu.py"], timeout=3600, env={"GEMS_GPU_REPORT": str(figures_file)})
+    lines = figures_file.read_text().splitlines() if figures_file.exists() else []
+    result["figures"] = [json.loads(line) for line in lines]
+    summary = re.findall(r"=+ (.*(?:passed|failed|error|skipped).*) in [\d.]+s", result["stdout"])
+    result["summary"] = summary[-1] if summary else "no pytest summary"
+    return result
+
+
+def train_summary(stdout: str) -> dict:
+    """images/s and per-rank memory from gems-train's summary."""
+    found = re.search(r"throughput\s+([\d.]+) images/s", stdout)
+    ranks = re.findall(r"rank (\d+) \(position \d+\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated \(([^)]*)\)",
+                       stdout)
+    return {"images_per_s": float(found.group(1)) if found else None,
+            "memory": [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in ranks]}
+
+
+def pipelines(mpiexec: str, gpus: int, work: Path) -> list[dict]:
+    parts = []
+    shared = ["--allow-shared-gpu", "--workers", "0", "--no-progress"]
+    train = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
+                 *shared], timeout=1800)
+    parts.append({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
+    bench_json = work / "bench.json"
+    bench = run([mpiexec, "-n", "2", *command("gems-bench"), *LAYOUT, "--schedules", "mast", "--steps", "5",
+                 "--warmup", "2", "--no-reference", "--allow-shared-gpu", "--json", str(bench_json)], timeout=1800)
+    if bench_json.exists():
+        rows = json.loads(bench_json.read_text())["schedules"].values()
+        bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory")}
+                         for r in rows]
+    parts.append({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
+    if gpus >= 2:
+        nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
+                    "--comm", "torch", "--workers", "0", "--no-progress"], timeout=1800)
+        parts.append({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl,
+                      **train_summary(nccl["stdout"])})
+    return parts
+
+
+def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
+    lines = ["# gems GPU check", "", "## Machine", ""]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += ["", "## Tests marked gpu", "", f"`{tests['command']}`: **{tests['summary']}** "
+              f"(exit {tests['code']}, {tests['seconds']} s)", ""]
+    for fig in tests.get("figures", []):
+        lines.append("- " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fig.items()))
+    if tests["code"] != 0:
+        lines += ["", "```", tests["stdout"][-4000:], tests["stderr"][-2000:], "```"]
+    for part in parts:
+        lines += ["", f"## {part['part']}", "", f"`{part['command']}`: exit {part['code']}, {part['seconds']} s", ""]
+        if part.get("images_per_s") is not None:
+            lines.append(f"- throughput {part['images_per_s']} images/s")
+        for mem in part.get("memory", []):
+            lines.append(f"- rank {mem['rank']}: {mem['measured']} measured, {mem['estimated']} estimated "
+                         f"({mem['error']})")
+        for r in part.get("runs", []):
+            lines.append(f"- {r['schedule']}: {r['images_per_s']} images/s, bubble {r['bubble']}")
+        if part["code"] != 0:
+            lines += ["", "```", part["stdout"][-3000:], part["stderr"][-2000:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--report", default="gpu-check-report.md", help="the Markdown report (JSON beside it)")
+    args = p.parse_args(argv)
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA device on this machine; run it where a GPU is", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        os.environ.update(importable_gems(work))   # the children inherit it
+        info = environment()
+        tests = gpu_tests(work / "figures.jsonl")
+        mpiexec = info["mpiexec"] if not str(info["mpi"]).startswith("unavailable") else None
+        parts = pipelines(mpiexec, torch.cuda.device_count(), work) if mpiexec else [
+            {"part": "gems-train / gems-bench", "command": "(skipped)", "code": "no MPI", "seconds": 0,
+             "stdout": "", "stderr": f"mpi4py has no MPI library here ({info['mpi']}); see README 'GPU check'"}]
+    report = Path(args.report)
+    report.write_text(markdown(info, tests, parts), encoding="utf-8")
+    report.with_suffix(".json").write_text(json.dumps({"machine": info, "tests": tests, "parts": parts}, indent=2),
+                                           encoding="utf-8")
+    failed = [part["part"] for part in parts if part["code"] != 0] + (["tests"] if tests["code"] != 0 else [])
+    print(report.read_text())
+    print(f"gpu-check: report in {report} and {report.with_suffix('.json')}"
+          + (f"; failed: {', '.join(failed)}" if failed else "; every part passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""GPU acceptance tests, run by ``make gpu-check`` (benchmarks/gpu_check.py) on a machine with CUDA;
+skipped everywhere else (CI has no GPU).
+
+Each test drives the engine in this process on a one-rank loopback world placed on ``cuda:0``
+(the communicator is in-process; the stages, buffers and policies are the real CUDA paths).
+Figures a test measures go to the JSON-lines file named by ``GEMS_GPU_REPORT`` (when set) so
+that gpu_check.py can put them in its report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from gems import models, partition
+from gems.comm import loopback
+from gems.obs.memory import PeakMeter
+from gems.pipeline.engine import Engine
+from gems.pipeline.oom import OutOfMemory
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by make gpu-check)")]
+
+DEVICE = torch.device("cuda", 0)
+
+
+def report(**figures) -> None:
+    """Append ``figures`` (one JSON object) to $GEMS_GPU_REPORT, if set."""
+    path = os.environ.get("GEMS_GPU_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(figures) + "\n")
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def batch(size: int, side: int, classes: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 3, side, side, generator=g), torch.randint(0, classes, (size,), generator=g)
+
+
+def one_rank(fn, *args, **kwargs):
+    """``fn(comm, ...)`` on a one-rank loopback world; its result."""
+    return loopback.run(1, fn, *args, timeout=600, **kwargs)[0]
+
+
+def engine_for(comm, model: nn.Sequential, plan, **kwargs) -> Engine:
+    return Engine(model, plan, sgd, nn.CrossEntropyLoss(), comm=comm, device=DEVICE, **kwargs)
+
+
+@pytest.mark.parametrize("side", [1024, 2048])
+def test_the_plans_tensor_peak_is_within_10_percent_of_the_allocators(side):
+    """resnet50, batch 2, one stage: the plan's peak vs torch.cuda.max_memory_allocated over a
+    step after a warm-up step; the CUDA context and other non-tensor memory are reported apart
+    (mem_get_info's used bytes minus the allocator's reserved bytes)."""
+    model = models.build("resnet50", num_classes=10)
+    plan = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda")
+
+    def measure(comm):
+        engine = engine_for(comm, model, plan)
+        images, labels = batch(2, side)
+        engine.step(images, labels)          # warm-up: cuDNN picks algorithms, allocator fills
+        meter = PeakMeter(DEVICE)
+        meter.start()
+        engine.step(images, labels)
+        peak = meter.stop()
+        free, total = torch.cuda.mem_get_info(DEVICE)
+        outside = (total - free) - torch.cuda.memory_reserved(DEVICE)
+        return peak, outside
+
+    measured, outside = one_rank(measure)
+    estimate = plan.positions[0].peak_bytes
+    error = estimate / measured - 1
+    report(test="memory", side=side, measured=measured, estimated=estimate, error=error,
+           outside_allocator=outside)
+    assert abs(error) < 0.10, f"plan {estimate} vs measured {measured} bytes ({error:+.1%}) at {side}"
+
+
+def test_bf16_autocast_trains_like_float32_within_bf16_precision():
+    """resnet18 at 256², three steps under bf16 autocast: losses close to float32's (bf16
+    keeps 8 bits of mantissa) and the parameters stay float32."""
+    torch.manual_seed(0)
+    model = models.build("resnet18", num_classes=10)
+    plan = partition.plan(model, (3, 256, 256), batch_size=4, stages=1, schedule="mp", device="cuda", amp="bf16")
+    images, labels = batch(4, 256)
+
+    def losses(comm, autocast):
+        torch.manual_seed(0)
+        fresh = models.build("resnet18", num_classes=10)
+        engine = engine_for(comm, fresh, plan, autocast=autocast)
+        out = [engine.step(images, labels) for _ in range(3)]
+        assert all(p.dtype == torch.float32 for p in fresh.parameters())
+        return out
+
+    full, half = one_rank(losses, None), one_rank(losses, torch.bfloat16)
+    report(test="bf16", float32_losses=full, bf16_losses=half)
+    assert all(abs(h - f) <= 0.05 * abs(f) + 0.05 for f, h in zip(full, half)), (full, half)
+
+
+def test_a_step_never_synchronizes_a_whole_stream_and_times_actions_with_events(monkeypatch):
+    """Inside engine.step nothing calls torch.cuda.synchronize or Stream.synchronize (each would
+    stall the host on all queued work); the action timer records CUDA events instead."""
+    model = models.build("resnet18", num_classes=10)
+    plan = partition.plan(model, (3, 256, 256), batch_size=2, stages=1, schedule="mp", device="cuda")
+    images, labels = batch(2, 256)
+    calls: list[str] = []
+
+    def run(comm):
+        engine = engine_for(comm, model, plan)
+        engine.step(images, labels)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("torch.cuda.synchronize"))
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: calls.append("Stream.synchronize"))
+        engine.step(images, labels)
+        monkeypatch.undo()
+        return engine.timer.timeline()
+
+    spans = one_rank(run)
+    assert calls == []
+    assert spans and all(end >= start for _, start, end in spans)
+    assert sum(end - start for label, start, end in spans if label.startswith("forward")) > 0
+
+
+def test_the_budget_is_enforced_through_the_allocators_fraction():
+    """--enforce-memory-budget on CUDA: a budget far below the step's need makes the step fail
+    with OutOfMemory naming the action, and the fraction is restored afterwards."""
+    from gems.train.trainer import enforce_memory_budget  # noqa: PLC0415
+
+    model = models.build("resnet50", num_classes=10)
+    plan = partition.plan(model, (3, 1024, 1024), batch_size=2, stages=1, schedule="mp", device="cuda")
+    images, labels = batch(2, 1024)
+
+    def run(comm):
+        engine = engine_for(comm, model, plan)
+        enforce_memory_budget(engine, plan.positions[0].peak_bytes // 4)
+        try:
+            engine.step(images, labels)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
+            torch.cuda.empty_cache()
+
+    with pytest.raises(OutOfMemory, match="stage 0"):
+        one_rank(run)
+
+
+def test_offload_gives_the_same_gradients_and_hides_its_copies():
+    """resnet50 at 1024², batch 2, one stage offloading every unit: parameters after two SGD
+    steps equal those without offload (copies are exact), and the step costs at most 30% of
+    the copy time more than no offload, measured against a run that waits for each copy
+    (GEMS_OFFLOAD_WAIT=1): hidden = (t_wait - t_async) / (t_wait - t_none)."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    side = 1024
+    model = models.build("resnet50", num_classes=10)
+    base = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda")
+    units = base.cuts[-1]
+    offload = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda",
+                             offload="all")
+    assert any(p.offload for p in offload.policies), offload.policies
+    images, labels = batch(2, side)
+
+    def train(comm, plan):
+        torch.manual_seed(0)
+        fresh = models.build("resnet50", num_classes=10)
+        engine = engine_for(comm, fresh, plan)
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize(DEVICE)
+            start = time.perf_counter()
+            engine.step(images, labels)
+            torch.cuda.synchronize(DEVICE)
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[1], {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
+
+    t_none, plain = one_rank(train, base)
+    t_async, moved = one_rank(train, offload)
+    os.environ["GEMS_OFFLOAD_WAIT"] = "1"
+    try:
+        t_wait, _ = one_rank(train, offload)
+    finally:
+        del os.environ["GEMS_OFFLOAD_WAIT"]
+    for key in plain:
+        torch.testing.assert_close(moved[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    hidden = (t_wait - t_async) / max(t_wait - t_none, 1e-9)
+    report(test="offload", side=side, units=units, step_none=t_none, step_offload=t_async,
+           step_offload_waiting=t_wait, hidden=hidden)
+    assert hidden >= 0.7, f"offload hid {hidden:.0%} of its copy time (none {t_none:.3f} s, " \
+                          f"async {t_async:.3f} s, waiting {t_wait:.3f} s)"
