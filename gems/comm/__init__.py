@@ -16,6 +16,11 @@ node's computing ranks need, and because a loop can give up: after ``timeout`` s
 
 Messages: a tuple of tensors is one message per tensor, wire tag ``tag * 16 + index``; so at most
 16 tensors per tuple and tags up to ``(TAG_UB - 15) // 16`` (MPICH: 33,554,431; torch: 134,217,727).
+A tensor larger than ``MAX_MESSAGE_BYTES`` (just under 2 GiB; ``GEMS_MAX_MESSAGE_BYTES`` overrides
+it) travels in consecutive pieces under its wire tag, unless MPI-4 large counts make that needless.
+The torch backend starts each message with a header of its tag and byte sizes, checked on arrival
+(NCCL ignores tags: a message posted out of order is an error, not swapped data), and posts a
+message's tensors, and ``ibatch``'s operations, as one ``batch_isend_irecv`` group.
 """
 from __future__ import annotations
 
@@ -27,19 +32,24 @@ import torch
 from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request
 from gems.errors import GemsError
 
-__all__ = ["create", "Comm", "Group", "Request", "P2POp", "CommTimeout", "Backoff", "TENSORS_PER_MESSAGE",
-           "default_threads", "configure_threads"]
+__all__ = ["create", "world_rank", "Comm", "Group", "Request", "P2POp", "CommTimeout", "Backoff",
+           "TENSORS_PER_MESSAGE", "default_threads", "configure_threads"]
 
 BACKENDS = ("mpi", "torch")
 
 
 def create(backend: str = "mpi", device: torch.device | str | None = None, timeout: float = 300.0,
-           backoff: Backoff = Backoff()) -> Comm:
+           backoff: Backoff = Backoff(), allow_shared_gpu: bool = False) -> Comm:
     """The communicator of this process (COLLECTIVE: every rank calls it once, at start-up).
 
     ``device``: where this rank's tensors live (default: this rank's GPU when CUDA is present,
-    else CPU); picks NCCL for the torch backend on CUDA. ``timeout``: seconds any single wait may last before CommTimeout (keep it above the
-    longest compute between two messages). ``backoff``: the sleeps of the polling loop."""
+    else CPU); picks NCCL for the torch backend on CUDA. A bare "cuda" becomes the GPU this
+    rank gets among those it sees (``gems.comm.base.local_device``: cuda:<local rank> when
+    every rank of the node sees every GPU, the rank's own device 0 when the launcher gave each
+    rank its own); more ranks on a node than the GPUs they see is a GemsError, raised on every
+    rank, unless ``allow_shared_gpu``. ``timeout``: seconds any single wait may last before
+    CommTimeout (keep it above the longest compute between two messages). ``backoff``: the
+    sleeps of the polling loop."""
     if backend not in BACKENDS:
         raise GemsError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not timeout > 0:
@@ -48,10 +58,18 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
     if backend == "mpi":
         from gems.comm.mpi_backend import MPIComm
 
-        return MPIComm(device, float(timeout), backoff)
+        return MPIComm(device, float(timeout), backoff, allow_shared_gpu)
     from gems.comm.torch_backend import TorchComm
 
-    return TorchComm(device, float(timeout), backoff)
+    return TorchComm(device, float(timeout), backoff, allow_shared_gpu)
+
+
+def world_rank() -> int:
+    """This process's rank in MPI_COMM_WORLD, e.g. to report an error that ``create`` raised on
+    every rank once (starts MPI if nothing has yet)."""
+    from mpi4py import MPI  # noqa: PLC0415 - MPI starts only when asked
+
+    return MPI.COMM_WORLD.rank
 
 
 def _cores() -> set[int]:

@@ -6,20 +6,44 @@ contiguous staging tensor; a reduction over a dtype MPI cannot add (bfloat16, fl
 float32 and is rounded back; a CUDA tensor is staged through pinned host memory unless the MPI is
 CUDA-aware (``MPI.Query_cuda_support()`` or GEMS_CUDA_AWARE_MPI=1), in which case MPI gets the
 device tensor itself through ``__cuda_array_interface__``.
+
+MPI knows nothing of CUDA streams, so no operation is started before the GPU work it depends on
+is done, and the host never waits for the whole compute stream to find out::
+
+    compute stream  ──[kernels making t]──●produced──────────────────────────────────────▶
+    side stream                           └─wait──[t → pinned host]──●ready
+    host (polling)                                                    └─ready? Isend pieces…
+
+A receive is the mirror image: MPI fills a pinned buffer, a host-to-device copy on the side
+stream fills the tensor, and the consumer's stream waits on that copy's event. Operations enter
+MPI in the order gems posted them (one queue), so a send that waits for its copy is never
+overtaken by a later one with the same tag, and every rank starts its collectives in one order.
+
+A tensor larger than ``message_limit`` bytes travels as consecutive pieces of at most that size
+(MPIs without MPI-4 large-count routines take C int counts); with large-count support there is
+no limit unless GEMS_MAX_MESSAGE_BYTES sets one.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, NoReturn
+from collections import deque
+from typing import Any, Callable, NoReturn, Sequence
 
+import mpi4py
 import torch
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 from torch import Tensor
 
-from gems.comm.base import Backoff, Comm, Group, Request, check_group_ranks, message_tag, placement
+from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, byte_ranges, check_group_ranks,
+                            max_message_bytes, message_tag, placement)
 from gems.errors import GemsError
+
+# Pinned buffers kept for reuse: a rank holding two stages (mast) sends and receives at most
+# eight distinct boundaries (activations and gradients, both directions, both stages).
+STAGING_BUFFERS = 8
+STAGING_BYTES = 2**31   # pinned memory cannot be paged out: cap what sits idle between steps
 
 
 def cuda_aware() -> bool:
@@ -29,6 +53,12 @@ def cuda_aware() -> bool:
         return override == "1"
     query = getattr(MPI, "Query_cuda_support", None)
     return bool(query()) if query is not None else False
+
+
+def large_count() -> bool:
+    """Whether one MPI call can move 2**31 bytes or more: the MPI has MPI-4's large-count routines
+    (``MPI_Isend_c`` ...), which mpi4py 4 calls for every buffer (mpi4py 3 passes C ints)."""
+    return MPI.Get_version() >= (4, 0) and int(mpi4py.__version__.split(".")[0]) >= 4
 
 
 _REDUCIBLE: dict[torch.dtype, bool] = {}
@@ -56,39 +86,185 @@ def _as_typed(wire: Tensor) -> Any:
     return wire if wire.is_cuda else wire.numpy()
 
 
+def _copy_on(stream: Any, dst: Tensor, src: Tensor) -> Any:
+    """Copy ``src`` into ``dst`` on ``stream`` without blocking the host; the event of its end.
+    The device tensor of the two is marked used on ``stream`` (``record_stream``)."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    (src if src.is_cuda else dst).record_stream(stream)
+    return event
+
+
+class StagingPool:
+    """Pinned host buffers through which GPU tensors meet an MPI that cannot read device memory.
+
+    A boundary has the same byte size every micro-batch, so buffers are kept by exact size and lent
+    again. At most ``max_buffers`` buffers and ``max_bytes`` bytes sit idle here (the oldest go
+    first; a larger buffer is never kept): pinned pages cannot be swapped out, so what the pool
+    keeps must stay small and known. ``held_bytes`` (idle here) and ``lent_bytes`` (in flight) say
+    how much pinned memory staging takes, for the planner to report. A buffer comes back with the
+    event after which its last copy has finished; it is lent again only once that event has
+    passed. ``pin=False`` gives ordinary memory (tests without a GPU)."""
+
+    def __init__(self, max_buffers: int = STAGING_BUFFERS, max_bytes: int = STAGING_BYTES, pin: bool = True) -> None:
+        self.max_buffers, self.max_bytes, self.pin = max_buffers, max_bytes, pin
+        self.held_bytes = self.lent_bytes = 0
+        self._idle: list[tuple[Tensor, Any]] = []   # (uint8 buffer, event or None), oldest first
+
+    def take(self, nbytes: int) -> Tensor:
+        """A uint8 buffer of ``nbytes`` bytes, reused when an idle one of that size is free."""
+        for i, (buf, copied) in enumerate(self._idle):
+            if buf.numel() == nbytes and (copied is None or copied.query()):
+                del self._idle[i]
+                self.held_bytes -= nbytes
+                break
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.lent_bytes += nbytes
+        return buf
+
+    def give(self, buf: Tensor, copied: Any = None) -> None:
+        """Take back ``buf``, whose last copy finishes with the CUDA event ``copied`` (None: done)."""
+        self.lent_bytes -= buf.numel()
+        if buf.numel() > self.max_bytes:
+            return
+        self._idle.append((buf, copied))
+        self.held_bytes += buf.numel()
+        while len(self._idle) > self.max_buffers or self.held_bytes > self.max_bytes:
+            self.held_bytes -= self._idle.pop(0)[0].numel()
+
+
+class _Wire:
+    """How one tensor meets MPI: ``data``, the contiguous tensor MPI reads or writes (the tensor
+    itself or a staging copy); ``ready``, a CUDA event that must pass before MPI may touch
+    ``data`` (None: at once); ``done``, run on completion to bring a staging copy back."""
+
+    def __init__(self, data: Tensor, ready: Any = None, done: Callable[[], Any] | None = None) -> None:
+        self.data, self.ready, self.done = data, ready, done
+
+
+class _Pending:
+    """An operation in the queue: ``start`` gives its MPI requests once every wire is ready."""
+
+    def __init__(self, wires: Sequence[_Wire], start: Callable[[], list[Any]]) -> None:
+        self.wires, self.start = wires, start
+        self.reqs: list[Any] | None = None
+
+    def ready(self) -> bool:
+        return all(w.ready is None or w.ready.query() for w in self.wires)
+
+
 class MPIComm(Comm):
-    """Communicator on a duplicate of MPI_COMM_WORLD (so no other MPI user's message can match ours)."""
+    """Communicator on a duplicate of MPI_COMM_WORLD (so no other MPI user's message can match ours).
+
+    ``message_limit``: the byte size above which a tensor travels in pieces (None: no limit);
+    ``staging``: the :class:`StagingPool` of pinned host buffers for GPU tensors."""
 
     backend = "mpi"
 
-    def __init__(self, device: torch.device, timeout: float, backoff: Backoff) -> None:
+    def __init__(self, device: torch.device, timeout: float, backoff: Backoff,
+                 allow_shared_gpu: bool = False) -> None:
         world = MPI.COMM_WORLD
-        super().__init__(*placement(world, device), timeout, backoff)
+        super().__init__(*placement(world, device, allow_shared_gpu), timeout, backoff)
+        self.message_limit = max_message_bytes(None if large_count() else MAX_MESSAGE_BYTES)
+        self.staging = StagingPool()
         self._comm = world.Dup()
         self._tag_ub: int = world.Get_attr(MPI.TAG_UB)
         self._cuda_aware = cuda_aware()
         self._groups_made = 0
+        self._queue: deque[_Pending] = deque()
+        self._side: dict[torch.device, Any] = {}
 
-    def _wire(self, t: Tensor, load: bool, reduce: bool = False) -> tuple[Tensor, Callable[[], Any] | None]:
-        """A contiguous tensor MPI can use for ``t`` (``t`` itself when possible) and the copy back
-        into ``t`` that an operation writing into it needs (None when the wire tensor is ``t``).
-        ``load``: the operation reads the data, so a staging tensor must start with it."""
+    # -- staging ---------------------------------------------------------------------------------
+    def _wire(self, t: Tensor, load: bool, store: bool, reduce: bool = False) -> _Wire:
+        """How ``t`` meets MPI. ``load``: the operation reads ``t``, so a staging copy starts with
+        its data; ``store``: the operation writes ``t``, so a staging copy is copied back."""
         t = t.detach()
-        wire = t
+        data = t
         if reduce and not mpi_can_sum(t.dtype):
-            wire = t.to(torch.complex64 if t.is_complex() else torch.float32,
-                        memory_format=torch.contiguous_format)
-        if wire.is_cuda and not self._cuda_aware:
-            host = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=True)
-            wire = host.copy_(wire) if load else host
-        elif not wire.is_contiguous():
-            staged = torch.empty(wire.shape, dtype=wire.dtype, device=wire.device)
-            wire = staged.copy_(wire) if load else staged
-        if wire.is_cuda:
-            torch.cuda.current_stream(wire.device).synchronize()  # MPI knows nothing of CUDA streams
-        if wire is t:
-            return t, None
-        return wire, lambda: t.copy_(wire)
+            data = t.to(torch.complex64 if t.is_complex() else torch.float32, memory_format=torch.contiguous_format)
+        if data.is_cuda and not self._cuda_aware:
+            return self._host_staged(t, data, load, store)
+        if not data.is_contiguous():
+            staged = torch.empty(data.shape, dtype=data.dtype, device=data.device)
+            data = staged.copy_(data) if load else staged
+        ready = None
+        if data.is_cuda:  # CUDA-aware MPI touches the memory once the GPU work before it is done
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+        return _Wire(data, ready, (lambda: t.copy_(data)) if store and data is not t else None)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
+
+    def _host_staged(self, t: Tensor, data: Tensor, load: bool, store: bool) -> _Wire:
+        """Stage the device tensor ``data`` (``t`` or its float32 copy) through a pinned buffer.
+
+        Copies run on a side stream that first waits for an event on the current stream (the work
+        that made ``t``, or still reads it before a receive overwrites it), so they overlap later
+        compute; nothing synchronizes a whole stream."""
+        device = data.device
+        raw = self.staging.take(data.numel() * data.element_size())
+        host = raw.view(data.dtype).view(data.shape)
+        side = self._side_stream(device)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(device))
+        side.wait_event(produced)
+        # record_stream: the allocator must not reuse the device tensor before the side copy is done
+        ready = _copy_on(side, host, data) if load else None
+
+        def done() -> None:
+            copied = _copy_on(side, t, host) if store else None
+            if copied is not None:
+                torch.cuda.current_stream(device).wait_event(copied)  # the consumer, not the host, waits
+            self.staging.give(raw, copied)
+        return _Wire(host, ready, done)
+
+    def _pieces(self, data: Tensor) -> list[Any]:
+        """MPI buffers for consecutive byte ranges of ``data``, each at most ``message_limit``."""
+        flat = _as_bytes(data)
+        return [flat[a:b] for a, b in byte_ranges(data.numel() * data.element_size(), self.message_limit)]
+
+    # -- the queue -------------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Start queued operations, in posting order, while the one at the head is ready."""
+        while self._queue and self._queue[0].ready():
+            op = self._queue.popleft()
+            op.reqs = op.start()
+
+    def _post(self, wires: Sequence[_Wire], start: Callable[[], list[Any]], describe: str,
+              check: Callable[[list[Any]], None] | None = None) -> Request:
+        """Queue an operation and return its Request. ``check``, for receives, inspects the
+        statuses on completion; an MPI error of a receive becomes a RuntimeError naming it."""
+        op = _Pending(wires, start)
+        self._queue.append(op)
+        self._progress()
+        statuses: list[Any] = []
+
+        def test() -> bool:
+            self._progress()
+            if op.reqs is None:
+                return False
+            if check is None:
+                return MPI.Request.Testall(op.reqs)
+            statuses[:] = statuses or [MPI.Status() for _ in op.reqs]
+            try:
+                if not MPI.Request.Testall(op.reqs, statuses):
+                    return False
+            except MPI.Exception as exc:  # e.g. a message longer than its buffer
+                errors = [MPI.Get_error_string(s.Get_error()) for s in statuses
+                          if s.Get_error() != MPI.SUCCESS] or [exc.Get_error_string()]
+                raise RuntimeError(f"rank {self.rank}: {describe} failed: {' '.join(errors[0].split())}; "
+                                   f"the ranks disagree on the boundary shapes or dtypes") from exc
+            check(statuses)
+            return True
+
+        dones = [w.done for w in wires if w.done is not None]
+        return Request(test, describe, wires, (lambda: [d() for d in dones]) if dones else None)
 
     def _mpi(self, group: Group | None) -> Any:
         return self._comm if group is None else group.handle
@@ -96,53 +272,45 @@ class MPIComm(Comm):
     def _members(self, group: Group | None) -> str:
         return f"all {self.size} ranks" if group is None else f"ranks {group.ranks}"
 
+    # -- operations ------------------------------------------------------------------------------
+    # Pieces of one tensor share its wire tag (message_tag keeps the tensors of all messages
+    # apart): MPI's non-overtaking rule matches messages with one tag between one pair in the
+    # order they were sent, and the queue posts both sides' pieces in order, so piece k always
+    # lands in the k-th slice of the receive buffer.
     def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:
         tags = [message_tag(tag, i, self._tag_ub) for i in range(len(tensors))]
-        keep, reqs = [], []
-        for t, wire_tag in zip(tensors, tags):
-            wire, _ = self._wire(t, load=True)
-            buf = _as_bytes(wire)
-            keep += [wire, buf]
-            reqs.append(self._comm.Isend([buf, MPI.BYTE], dst, wire_tag))
-        return Request(lambda: MPI.Request.Testall(reqs), f"send to rank {dst}, tag {tag}", keep)
+        wires = [self._wire(t, load=True, store=False) for t in tensors]
+        return self._post(wires, lambda: [self._comm.Isend([piece, MPI.BYTE], dst, wire_tag)
+                                          for w, wire_tag in zip(wires, tags) for piece in self._pieces(w.data)],
+                          f"send to rank {dst}, tag {tag}")
 
     def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
         tags = [message_tag(tag, i, self._tag_ub) for i in range(len(buffers))]
-        keep, reqs, copies, sizes = [], [], [], []
-        for t, wire_tag in zip(buffers, tags):
-            wire, copy_back = self._wire(t, load=False)
-            buf = _as_bytes(wire)
-            keep += [wire, buf]
-            sizes.append(wire.numel() * wire.element_size())
-            copies += [copy_back] if copy_back is not None else []
-            reqs.append(self._comm.Irecv([buf, MPI.BYTE], src, wire_tag))
-        statuses = [MPI.Status() for _ in reqs]
+        wires = [self._wire(t, load=False, store=True) for t in buffers]
+        index = [i for i, w in enumerate(wires) for _ in self._pieces(w.data)]   # tensor of each piece
         describe = f"recv from rank {src}, tag {tag}"
 
-        def test() -> bool:
-            try:
-                if not MPI.Request.Testall(reqs, statuses):
-                    return False
-            except MPI.Exception as exc:  # e.g. a message longer than its buffer
-                errors = [MPI.Get_error_string(s.Get_error()) for s in statuses
-                          if s.Get_error() != MPI.SUCCESS] or [exc.Get_error_string()]
-                raise RuntimeError(f"rank {self.rank}: {describe} failed: {' '.join(errors[0].split())}; "
-                                   f"the ranks disagree on the boundary shapes or dtypes") from exc
-            for i, (status, size) in enumerate(zip(statuses, sizes)):
-                got = status.Get_count(MPI.BYTE)
-                if got != size:
-                    raise RuntimeError(f"rank {self.rank}: {describe}: tensor {i} brought {got} bytes "
-                                       f"for a {size}-byte buffer; the ranks disagree on the boundary "
-                                       f"shapes or dtypes")
-            return True
+        def start() -> list[Any]:
+            return [self._comm.Irecv([piece, MPI.BYTE], src, wire_tag)
+                    for w, wire_tag in zip(wires, tags) for piece in self._pieces(w.data)]
 
-        finish = (lambda: [copy() for copy in copies]) if copies else None
-        return Request(test, describe, keep, finish)
+        def check(statuses: list[Any]) -> None:
+            got = [0] * len(wires)
+            for i, status in zip(index, statuses):
+                got[i] += status.Get_count(MPI.BYTE)
+            for i, (n, w) in enumerate(zip(got, wires)):
+                size = w.data.numel() * w.data.element_size()
+                if n != size:
+                    raise RuntimeError(f"rank {self.rank}: {describe}: tensor {i} brought {n} bytes for a "
+                                       f"{size}-byte buffer; the ranks disagree on the boundary shapes or dtypes")
+
+        return self._post(wires, start, describe, check)
 
     def group(self, ranks: list[int]) -> Group | None:
         ranks = check_group_ranks(ranks, self.size)
         # Also waits, with the timeout, until every rank makes this call: Create_group itself
-        # blocks, spinning, with no timeout, if a member never arrives.
+        # blocks, spinning, with no timeout, if a member never arrives. That wait also starts
+        # every queued collective, so all ranks reach Create_group in the same order.
         self.check_same_group(ranks)
         self._groups_made += 1  # tags this creation apart from groups being made concurrently
         if self.rank not in ranks:
@@ -153,31 +321,30 @@ class MPIComm(Comm):
         return Group(ranks, ranks.index(self.rank), handle)
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
-        wire, copy_back = self._wire(tensor, load=True, reduce=True)
-        buf = _as_typed(wire)
-        req = self._mpi(group).Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
-        return Request(req.Test, f"allreduce over {self._members(group)}", (wire, buf), copy_back)
+        wire = self._wire(tensor, load=True, store=True, reduce=True)
+        return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, _as_typed(wire.data), MPI.SUM)],
+                          f"allreduce over {self._members(group)}")
 
     def ibroadcast(self, tensor: Tensor, root: int, group: Group | None) -> Request:
         ranks = group.ranks if group is not None else range(self.size)
         if root not in ranks:
             raise GemsError(f"broadcast root {root} is not in the group {list(ranks)}")
         is_root = root == self.rank
-        wire, copy_back = self._wire(tensor, load=is_root)
-        buf = _as_bytes(wire)
-        req = self._mpi(group).Ibcast([buf, MPI.BYTE], root=list(ranks).index(root))
-        return Request(req.Test, f"broadcast from rank {root} to {self._members(group)}", (wire, buf),
-                       None if is_root else copy_back)
+        wire = self._wire(tensor, load=is_root, store=not is_root)
+        index = list(ranks).index(root)
+        return self._post([wire], lambda: [self._mpi(group).Ibcast([piece, MPI.BYTE], root=index)
+                                           for piece in self._pieces(wire.data)],
+                          f"broadcast from rank {root} to {self._members(group)}")
 
     def iallgather_bytes(self, data: Tensor, group: Group | None) -> tuple[Request, Tensor]:
         members = group.size if group is not None else self.size
         rows = torch.empty(members, data.numel(), dtype=torch.uint8)
         send, recv = data.contiguous().numpy(), rows.numpy()
-        req = self._mpi(group).Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
-        return Request(req.Test, f"allgather over {self._members(group)}", (send, recv)), rows
+        return self._post([], lambda: [self._mpi(group).Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])],
+                          f"allgather over {self._members(group)}"), rows
 
     def ibarrier(self) -> Request:
-        return Request(self._comm.Ibarrier().Test, f"barrier over all {self.size} ranks")
+        return self._post([], lambda: [self._comm.Ibarrier()], f"barrier over all {self.size} ranks")
 
     def abort(self, code: int = 1) -> NoReturn:
         sys.stdout.flush()

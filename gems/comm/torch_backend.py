@@ -9,6 +9,12 @@ complete only inside ``wait()``, so each gloo send/recv request gets a small thr
 ``wait()`` (releasing the GIL, without spinning) while the caller polls the thread. NCCL works
 report completion through ``is_completed()``. NCCL ignores tags: between two ranks, its messages
 match in the order they were posted.
+
+A message is a header (its tag and its tensors' byte sizes) followed by its tensors, each in
+pieces of at most ``message_limit`` bytes, all posted as one ``batch_isend_irecv`` call: under
+NCCL one group, so a message's transfers, and those of all messages of one ``ibatch``, start
+together. The receiver checks the header: a message that arrives where another was expected
+(NCCL, matching by order, delivers whatever the peer posted at that place) is a clear error.
 """
 from __future__ import annotations
 
@@ -18,15 +24,15 @@ import socket
 import sys
 import threading
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from torch import Tensor
 
-from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, Request, check_group_ranks, message_tag,
-                             placement)
+from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, P2POp, Request, byte_ranges,
+                             check_group_ranks, max_message_bytes, message_tag, placement)
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings
@@ -59,10 +65,8 @@ class _Waiter:
         return True
 
 
-def _p2p_test(works: list[Any], on_cuda: list[bool]) -> Any:
+def _p2p_test(gloo: list[Any], nccl: list[Any]) -> Callable[[], bool]:
     """The completion test of a p2p request: a waiter thread for gloo works, is_completed for NCCL."""
-    gloo = [w for w, cuda in zip(works, on_cuda) if not cuda]
-    nccl = [w for w, cuda in zip(works, on_cuda) if cuda]
     waiter = _Waiter(gloo) if gloo else None
     return lambda: (waiter is None or waiter.done()) and all(_finished(w) for w in nccl)
 
@@ -78,15 +82,30 @@ def _collective_test(work: Any) -> Any:
 
 
 def _check_count(n: int) -> None:
-    if n >= TENSORS_PER_MESSAGE:   # one wire tag of each message carries the sizes
+    if n >= TENSORS_PER_MESSAGE:   # one wire tag of each message carries the header
         raise GemsError(f"the torch backend moves at most {TENSORS_PER_MESSAGE - 1} tensors per message; "
                         f"pack the stage boundary into fewer tensors (got {n})")
 
 
-def _sizes(wires: list[Tensor]) -> Tensor:
-    """The byte sizes of a message's tensors, on their device (NCCL carries only CUDA tensors)."""
-    device = wires[0].device if wires else torch.device("cpu")
-    return torch.tensor([w.numel() * w.element_size() for w in wires], dtype=torch.int64, device=device)
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def check_header(header: list[int], tag: int, expected: list[int], src: int, rank: int) -> None:
+    """GemsError unless a received header (tag, then byte sizes) is the one this receive expects.
+
+    Gloo fills a larger buffer with a smaller message and reports success, NCCL checks no sizes
+    and ignores tags: without this check, a short tensor or a swapped message (mast's activations
+    and gradients between one pair have the same shapes) would go unnoticed."""
+    got_tag, *sizes = header
+    if got_tag != tag:
+        raise GemsError(f"rank {rank} expected message tag {tag} from rank {src} but got {got_tag}; the ranks "
+                        f"posted their transfers in different orders: derive every rank's transfers from the "
+                        f"same schedule")
+    for i, (got, want) in enumerate(zip(sizes, expected)):
+        if got != want:
+            raise GemsError(f"tensor {i} from rank {src} brought {got} bytes for a {want}-byte buffer; the "
+                            "ranks disagree on the boundary shapes or dtypes: give every rank the same plan")
 
 
 def _rendezvous(world: Any, timeout: float) -> dist.TCPStore:
@@ -105,22 +124,32 @@ def _rendezvous(world: Any, timeout: float) -> dist.TCPStore:
 
 
 class TorchComm(Comm):
-    """Communicator on torch.distributed's default process group, initialised from MPI."""
+    """Communicator on torch.distributed's default process group, initialised from MPI.
+
+    ``message_limit``: the byte size above which a tensor travels in pieces."""
 
     backend = "torch"
 
-    def __init__(self, device: torch.device, timeout: float, backoff: Backoff) -> None:
+    def __init__(self, device: torch.device, timeout: float, backoff: Backoff,
+                 allow_shared_gpu: bool = False) -> None:
         if dist.is_initialized():
             raise GemsError("torch.distributed is already initialised; create one 'torch' "
                             "communicator per process")
         world = MPI.COMM_WORLD
-        super().__init__(*placement(world, device), timeout, backoff)
+        super().__init__(*placement(world, device, allow_shared_gpu), timeout, backoff)
         if self.device.type == "cuda":
             backend = "cpu:gloo,cuda:nccl"  # gloo still carries CPU tensors (allgather_object)
         else:
             backend = "gloo"
+        # gloo's and NCCL's counts are 64-bit, but their transports are not all so generous (gloo
+        # over ibverbs stops at the device's largest message): the same pieces as MPI's.
+        self.message_limit = max_message_bytes()
+        self._side: Any = None   # the CUDA stream on which received headers are read
+        # device_id forms the NCCL communicator now: batch_isend_irecv may then involve only some
+        # ranks (a pipeline's first transfer is between two), which as the first NCCL call it may not.
         dist.init_process_group(backend, store=_rendezvous(world, timeout), rank=self.rank,
-                                world_size=self.size, timeout=timedelta(seconds=timeout))
+                                world_size=self.size, timeout=timedelta(seconds=timeout),
+                                device_id=self.device if self.device.type == "cuda" else None)
         atexit.register(self._close)
 
     @staticmethod
@@ -135,38 +164,75 @@ class TorchComm(Comm):
     def _pg(group: Group | None) -> Any:
         return None if group is None else group.handle
 
-    def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:
-        _check_count(len(tensors))
-        wires = [t.detach().contiguous() for t in tensors]
-        wires = [_sizes(wires), *wires]   # byte sizes first: see irecv
-        tags = [message_tag(tag, i, TAG_UB) for i in range(len(wires))]
-        works = [dist.isend(w, dst, tag=wire_tag) for w, wire_tag in zip(wires, tags)]
-        return Request(_p2p_test(works, [w.is_cuda for w in wires]),
-                       f"send to rank {dst}, tag {tag}", wires)
+    def _read(self, header: Tensor) -> list[int]:
+        """The values of a received header; on a GPU copied on a side stream, so the host waits for
+        a few bytes, not for the compute stream (the transfer itself has completed)."""
+        if not header.is_cuda:
+            return header.tolist()
+        if self._side is None:
+            self._side = torch.cuda.Stream(header.device)
+        with torch.cuda.stream(self._side):
+            return header.tolist()
 
-    def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
-        """Gloo fills a larger buffer with a smaller message and reports success, and NCCL does
-        not check sizes at all, so every message starts with its tensors' byte sizes, checked
-        on completion: a mismatch is a clear error, never a silently short tensor."""
-        _check_count(len(buffers))
-        wires = [t.detach() if t.is_contiguous() else
-                 torch.empty_like(t, memory_format=torch.contiguous_format) for t in buffers]
-        expected = [w.numel() * w.element_size() for w in wires]
-        sizes = torch.empty_like(_sizes(wires))
-        wires = [sizes, *wires]
-        tags = [message_tag(tag, i, TAG_UB) for i in range(len(wires))]
-        works = [dist.irecv(w, src, tag=wire_tag) for w, wire_tag in zip(wires, tags)]
-        pairs = [(t, w) for t, w in zip(buffers, wires[1:]) if not t.is_contiguous()]
+    def _pieces(self, header: Tensor, wires: list[Tensor], tag: int) -> list[tuple[Tensor, int]]:
+        """(piece, wire tag) of a message in posting order: the header, then each tensor's pieces.
+        Pieces of one tensor share its wire tag: gloo matches one tag's messages between a pair in
+        the order they were sent, NCCL matches everything in posting order."""
+        parts = [(header, message_tag(tag, 0, TAG_UB))]
+        for i, w in enumerate(wires, start=1):
+            flat = w.reshape(-1).view(torch.uint8)
+            parts += [(flat[a:b], message_tag(tag, i, TAG_UB)) for a, b in byte_ranges(_nbytes(w), self.message_limit)]
+        return parts
+
+    def _send(self, op: P2POp) -> tuple[list[tuple[Tensor, int]], Any]:
+        _check_count(len(op.tensors))
+        wires = [t.detach().contiguous() for t in op.tensors]
+        device = wires[0].device if wires else torch.device("cpu")   # NCCL carries only CUDA tensors
+        header = torch.tensor([op.tag, *map(_nbytes, wires)], dtype=torch.int64, device=device)
+        return self._pieces(header, wires, op.tag), None
+
+    def _recv(self, op: P2POp) -> tuple[list[tuple[Tensor, int]], Any]:
+        _check_count(len(op.tensors))
+        buffers = [t.detach() for t in op.tensors]
+        wires = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in buffers]
+        device = wires[0].device if wires else torch.device("cpu")
+        header = torch.empty(1 + len(wires), dtype=torch.int64, device=device)
 
         def finish() -> None:
-            for i, (got, want) in enumerate(zip(sizes.tolist(), expected)):
-                if got != want:
-                    raise GemsError(f"tensor {i} from rank {src} brought {got} bytes for a {want}-byte buffer; the "
-                                    "ranks disagree on the boundary shapes or dtypes: give every rank the same plan")
-            for t, w in pairs:
-                t.detach().copy_(w)
-        return Request(_p2p_test(works, [w.is_cuda for w in wires]),
-                       f"recv from rank {src}, tag {tag}", wires, finish)
+            check_header(self._read(header), op.tag, list(map(_nbytes, wires)), op.peer, self.rank)
+            for t, w in zip(buffers, wires):
+                if w is not t:
+                    t.copy_(w)
+        return self._pieces(header, wires, op.tag), finish
+
+    def ibatch(self, ops: Sequence[P2POp]) -> list[Request]:
+        """All transfers of ``ops`` in one ``batch_isend_irecv`` call per device type: under NCCL
+        one group, so no receive of the call can hold up a send of it."""
+        posted = [self._send(op) if op.op == "send" else self._recv(op) for op in ops]
+        works: list[tuple[list[Any], list[Any]]] = [([], []) for _ in ops]   # (gloo, NCCL) works of each op
+        flat = [(i, piece, wire_tag) for i, (parts, _) in enumerate(posted) for piece, wire_tag in parts]
+        for kind in dict.fromkeys(piece.device.type for _, piece, _ in flat):
+            mine = [(i, dist.P2POp(dist.isend if ops[i].op == "send" else dist.irecv, piece, ops[i].peer,
+                                   tag=wire_tag)) for i, piece, wire_tag in flat if piece.device.type == kind]
+            got = dist.batch_isend_irecv([p2p for _, p2p in mine])
+            # gloo returns one work per transfer; NCCL one work for the whole group, shared by all.
+            pairs = zip((i for i, _ in mine), got) if len(got) == len(mine) else \
+                [(i, work) for i in dict.fromkeys(i for i, _ in mine) for work in got]
+            for i, work in pairs:
+                works[i][1 if kind == "cuda" else 0].append(work)
+        return [Request(_p2p_test(*works[i]),
+                        f"{'send to' if op.op == 'send' else 'recv from'} rank {op.peer}, tag {op.tag}",
+                        [piece for piece, _ in parts], finish)
+                for i, (op, (parts, finish)) in enumerate(zip(ops, posted))]
+
+    def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:
+        return self.ibatch([P2POp("send", tuple(tensors), dst, tag)])[0]
+
+    def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
+        """Every message starts with a header (tag and byte sizes), checked on completion (see
+        :func:`check_header`): a mismatch is a clear error, never a silently short or swapped tensor."""
+        return self.ibatch([P2POp("recv", tuple(buffers), src, tag)])[0]
 
     def group(self, ranks: list[int]) -> Group | None:
         ranks = check_group_ranks(ranks, self.size)
