@@ -66,6 +66,8 @@ class BenchConfig:
     seed: int = opt(0, "seed of the model and the synthetic batch")
     reference: bool = opt(True, "time the unpartitioned single-rank reference on rank 0")
     comm: str = opt("mpi", "communication backend", choices=("mpi", "torch"))
+    allow_shared_gpu: bool = opt(False, "let several ranks of a node share a GPU (timings then measure the "
+                                 "sharing); without it more ranks than visible GPUs stops the run")
     timeout: float = opt(600.0, "seconds a rank waits for a peer before aborting the job")
     json: str | None = opt(None, "write all results to this JSON file")
     trace_dir: str | None = opt(None, "write a Perfetto trace (SCHEDULE.json) and, with matplotlib, "
@@ -279,7 +281,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     K = cfg.stages or comm.size
     if cfg.trace_dir and comm.rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda", comm.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = comm.device   # placed by gems.comm (CUDA_VISIBLE_DEVICES and per-task GPUs respected)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=cfg.num_classes)
     images, labels = synthetic_batch(cfg)

@@ -21,6 +21,9 @@ from gems.errors import GemsError
 from gems.units import format_size
 
 
+# Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
+_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": []}
+
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
 # per-channel statistics, small masks, the logits of the loss). The engine and the planner agree on it.
@@ -141,6 +144,13 @@ class Plan:
     flops_per_second: float | None = None   # sustained rate behind the seconds (measured times aside)
     step_seconds: float | None = None       # predicted step with the policies (gems.pipeline.simulate, free network)
     plain_step_seconds: float | None = None   # the same without them (both None without policies)
+    amp: str = "none"                     # "bf16": forwards under autocast, activations priced at its sizes
+    # Per rank on a GPU besides the tensors, by part (gems.partition.overhead): the CUDA context and
+    # communicator buffers. Not in any *_bytes above; counted against memory_budget. Empty unless asked.
+    device_overhead: dict[str, int] = field(default_factory=dict)
+    # Per position, host memory that offload holds at its highest (the bound of the rank's pinned
+    # pool, gems.pipeline.offload.HostPool); not in any *_bytes above. Empty unless offloading saves memory.
+    host_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -156,10 +166,17 @@ class Plan:
         """The largest estimated peak over positions."""
         return max(p.peak_bytes for p in self.positions)
 
+    @property
+    def overhead_bytes(self) -> int:
+        """``device_overhead`` in all: what a rank holds on its GPU besides tensors."""
+        return sum(self.device_overhead.values())
+
     # -- JSON ------------------------------------------------------------------------
     def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """The plan as JSON text; also written to ``path`` when given."""
-        text = json.dumps(asdict(self), indent=2) + "\n"
+        """The plan as JSON text; also written to ``path`` when given. Fields added since plans were
+        first written are left out while they hold their defaults, so such a plan reads as before."""
+        data = {k: v for k, v in asdict(self).items() if k not in _LATER_FIELDS or v != _LATER_FIELDS[k]}
+        text = json.dumps(data, indent=2) + "\n"
         if path is not None:
             try:
                 with open(path, "w", encoding="utf-8") as f:
@@ -210,6 +227,9 @@ class Plan:
                             f"use {K + 1} increasing cut points from 0 to {n}")
         if len(self.policies) != K:
             raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
+        if self.host_bytes and len(self.host_bytes) != K:
+            raise GemsError(f"the plan has {len(self.host_bytes)} host memory figures for {K} positions: "
+                            "regenerate it with gems-plan --json")
         if len(self.stage_estimates) != K or len(self.positions) != K:
             raise GemsError(f"the plan has {len(self.stage_estimates)} stage and {len(self.positions)} position "
                             f"estimates for {K} stages: regenerate it with gems-plan --json")
@@ -233,7 +253,8 @@ class Plan:
         policed = any(p.kind != "none" for p in self.policies)
         lines = [
             f"model {self.model_name}, input {shape}, batch {self.batch_size} "
-            f"({self.micro_batch_size} per micro-batch), {self.groups} group(s), {self.dtype}, {self.optimizer}",
+            f"({self.micro_batch_size} per micro-batch), {self.groups} group(s), {self.dtype}"
+            + (f" ({self.amp} autocast)" if self.amp != "none" else "") + f", {self.optimizer}",
             f"schedule {self.schedule}, {self.stages} stages, {self.micro_batches} micro-batch(es) per replica, "
             f"balanced by {self.balance_by}",
             "",
@@ -246,10 +267,11 @@ class Plan:
                    for s, policy in zip(self.stage_estimates, self.policies)]),
             "",
             _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
-                  + ["w/o policy", "+s/step"] * policed + ["GFLOP/step"],
+                  + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(self.host_bytes) + ["GFLOP/step"],
                   [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
                     format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
                    + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
+                   + ([format_size(self.host_bytes[p.position])] if self.host_bytes else [])
                    + [f"{p.flops / 1e9:.1f}"] for p in self.positions]),
             "",
             f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
@@ -257,15 +279,22 @@ class Plan:
         if policed and self.step_seconds is not None:
             lines.append(f"predicted step {self.step_seconds:.3f} s with the policies, {self.plain_step_seconds:.3f} s "
                          f"without (at {self.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
+        besides = ""
+        if self.device_overhead:
+            parts = ", ".join(f"{name} {format_size(n)}" for name, n in self.device_overhead.items())
+            lines.append(f"besides tensors, each rank holds {format_size(self.overhead_bytes)} on its GPU: {parts} "
+                         "(measured constants: gems.partition.overhead)")
+            besides = f" plus {format_size(self.overhead_bytes)} besides tensors"
         if self.memory_budget is not None:
             worst = max(self.positions, key=lambda p: p.peak_bytes)
             if self.fits:
-                lines.append(f"fits: the largest peak, {format_size(worst.peak_bytes)} on position {worst.position}, "
+                on = f"{worst.position},{besides}" if besides else worst.position
+                lines.append(f"fits: the largest peak, {format_size(worst.peak_bytes)} on position {on}, "
                              f"is within the budget of {format_size(self.memory_budget)}")
             else:
                 smallest = (f"; {self.smallest_fitting_stages} stages would fit"
                             if self.smallest_fitting_stages else "")
-                lines.append(f"does not fit: position {worst.position} needs {format_size(worst.peak_bytes)}, "
+                lines.append(f"does not fit: position {worst.position} needs {format_size(worst.peak_bytes)}{besides}, "
                              f"over the budget of {format_size(self.memory_budget)}{smallest}")
         lines += self.notes
         return "\n".join(lines)

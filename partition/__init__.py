@@ -18,7 +18,8 @@ Modules, in the order of the flow (each imports only from its own step or earlie
 * assemble: ``planner`` (``plan()``: validation and building the Plan).
 
 Besides: ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
-real CPU runs). The Plan dataclasses and their JSON live in ``gems.plan``.
+real CPU runs), ``calibrate`` (this device's sustained FLOP/s and host link, for
+``gems-plan --calibrate``), ``overhead`` (what a rank holds on a GPU besides tensors). The Plan dataclasses and their JSON live in ``gems.plan``.
 
 Note: the name ``plan`` in this package is the function; the dataclass module is
 ``gems.partition.plan`` only through ``from gems.plan import ...``.

@@ -11,6 +11,10 @@ that lean memory, keeping the faster of the two that fit -- and then, stage by s
 to the cheapest policy that still fits (``budget.relax``). With a memory budget that the
 requested K misses, the plan also names the smallest K that would fit
 (``budget.smallest_fitting``).
+
+On a GPU, a rank also holds memory besides tensors (``overhead``: the CUDA context, NCCL's
+buffers); with ``comm`` given, the plan reports it apart from the tensor peaks and leaves room
+for it under the budget.
 """
 from __future__ import annotations
 
@@ -23,15 +27,18 @@ from torch import nn
 from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
-from gems.units import parse_size
+from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
+from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
 from .profile import OPTIMIZER_STATE, profile
 from .records import ModelProfile
 from .solver import cuts_from_balance, evaluate, solve
+
+AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
 
 def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stages: int,
@@ -41,7 +48,8 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
          model_name: str | None = None, unit_times: Sequence[float] | None = None,
          recompute: str = "none", offload: str = "none", device: str = "cuda",
          host_bandwidth: float | str = HOST_BANDWIDTH, device_flops: float = V100_FLOPS,
-         efficiency: float = EFFICIENCY, profiles: dict | None = None) -> Plan:
+         efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
+         comm: str | None = None) -> Plan:
     """Cut ``model`` (an nn.Sequential of units) into ``stages`` stages for ``schedule``.
 
     ``input_shape`` is one sample's shape (e.g. (3, 2048, 2048)); ``batch_size`` the images
@@ -55,8 +63,12 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     "cpu") is where stages run: offloading from a CPU device to host memory saves nothing.
     ``host_bandwidth`` (bytes/s or "12GB/s") prices offloading; FLOPs become seconds at
     ``device_flops`` x ``efficiency``. ``profiles``: a dict the caller keeps to plan one model
-    several times (a sweep), so each micro-batch size is profiled once. Raises GemsError
-    naming the fix for any unusable input.
+    several times (a sweep), so each micro-batch size is profiled once. ``amp`` "bf16" prices
+    activations as forwards under ``torch.autocast(dtype=torch.bfloat16)`` keep them
+    (``gems.partition.profile``). ``comm`` ("mpi" or "torch", the transport the job will use)
+    adds, on device "cuda", what every rank holds besides tensors (``Plan.device_overhead``:
+    CUDA context, NCCL buffers) and counts it against ``memory_budget``; None leaves it out.
+    Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
     if not isinstance(model, nn.Sequential) or len(model) == 0:
@@ -82,6 +94,9 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     if device not in ("cuda", "cpu"):
         raise GemsError(f"the device to plan for must be 'cuda' or 'cpu', got {device!r}")
     bandwidth = parse_bandwidth(host_bandwidth)
+    if amp not in AMP or comm not in (None, *COMMS):
+        raise GemsError(f"amp must be one of {', '.join(AMP)} and comm one of {', '.join(COMMS)} (or None), "
+                        f"got {amp!r} and {comm!r}")
     if not (isinstance(device_flops, (int, float)) and device_flops > 0 and isinstance(efficiency, (int, float))
             and 0 < efficiency <= 1):
         raise GemsError(f"the device rate must be positive and the efficiency in (0, 1], got {device_flops!r} "
@@ -89,29 +104,35 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")
+    overhead = device_overhead(schedule, K, groups, comm) if device == "cuda" and comm is not None else {}
+    if budget is not None and budget <= sum(overhead.values()):
+        raise GemsError(f"the memory budget of {format_size(budget)} leaves nothing for tensors once every rank's "
+                        f"{format_size(sum(overhead.values()))} besides them (CUDA context, communicator buffers) "
+                        "is counted: raise --memory-budget")
     shape = _input_shape(input_shape)
     torch_dtype = _dtype(dtype)
     cuts = None if balance is None else cuts_from_balance(balance, n, K)
     if unit_times is not None and (len(unit_times) != n or any(not t >= 0 for t in unit_times)):
         raise GemsError(f"unit_times must give one non-negative time per unit ({n} values)")
 
-    key = (batch_size // split, shape, torch_dtype, optimizer)
+    key = (batch_size // split, shape, torch_dtype, optimizer, amp)
     prof = profiles.get(key) if profiles is not None else None
     if prof is None:
-        prof = profile(model, shape, batch_size // split, torch_dtype, optimizer, name)
+        prof = profile(model, shape, batch_size // split, torch_dtype, optimizer, name, AMP[amp])
         if profiles is not None:
             profiles[key] = prof
     rate = float(device_flops * efficiency)
     policies = PolicyModel(prof, device, *unit_seconds(prof, rate, unit_times), bandwidth)
     allowed = kinds(recompute, offload, device, budget is not None)
-    job = _Job(prof, policies, name, shape, batch_size, groups, budget, rate)
+    job = _Job(prof, policies, name, shape, batch_size, groups, budget, rate, overhead, amp)
     costs = CostModel(prof, schedule, K, m, unit_times, policies, allowed[0])
     cuts, loads = _cut(costs, balance_by, cuts)
     result = job.assemble(costs, cuts, loads, balance_by, _uniform(policies, costs, cuts, allowed[0]))
     if budget is not None and not result.fits and len(allowed) > 1:
         result = _fit(job, costs, cuts, loads, balance_by, allowed, recut=balance is None)
     if budget is not None and not result.fits:
-        result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, budget, name, policies, allowed[-1])
+        result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, job.room, name, policies,
+                                                          allowed[-1])
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
@@ -142,7 +163,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
-        chosen = relax(costs, option_cuts, allowed, job.budget)
+        chosen = relax(costs, option_cuts, allowed, job.room)
         if chosen is not None:
             found.append(job.assemble(costs, option_cuts, option_loads, option_by, chosen))
     if not found:
@@ -156,12 +177,16 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
 
 
 class _Job:
-    """What every candidate plan shares: the profile, its policy prices, the request."""
+    """What every candidate plan shares: the profile, its policy prices, the request. ``room``:
+    the part of the budget left for tensors once ``overhead`` is counted."""
 
     def __init__(self, prof: ModelProfile, policies: PolicyModel, name: str, shape: tuple[int, ...],
-                 batch_size: int, groups: int, budget: int | None, rate: float) -> None:
+                 batch_size: int, groups: int, budget: int | None, rate: float, overhead: dict[str, int],
+                 amp: str) -> None:
         self.prof, self.policies, self.name, self.shape = prof, policies, name, shape
         self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
+        self.overhead, self.amp = overhead, amp
+        self.room = None if budget is None else budget - sum(overhead.values())
         self.working = prof.working_matrix()
 
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
@@ -188,7 +213,8 @@ class _Job:
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
             live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
-                                                   {s: on[s][p].transient for s in held})
+                                                   {s: on[s][p].transient for s in held},
+                                                   {s: on[s][p].back for s in held})
             _, plain_activations, plain_transient = highest(
                 costs.moments[p], {s: stage_estimates[s].plain_activation_bytes for s in held},
                 {s: stage_estimates[s].transient_bytes for s in held})
@@ -204,7 +230,7 @@ class _Job:
                 plain_peak_bytes=static + plain_activations + plain_transient,
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
         mean = float(np.mean(loads))
-        fits = None if self.budget is None else max(p.peak_bytes for p in positions) <= self.budget
+        fits = None if self.room is None else max(p.peak_bytes for p in positions) <= self.room
         result = Plan(
             model_name=self.name, input_shape=self.shape, batch_size=self.batch_size, groups=self.groups, stages=K,
             schedule=costs.schedule, micro_batches=costs.m, balance_by=balance_by, optimizer=self.prof.optimizer,
@@ -215,7 +241,8 @@ class _Job:
             stage_estimates=stage_estimates, positions=positions,
             load_unit={"memory": "B", "flops": "FLOP"}.get(balance_by, costs.time_unit),
             imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
-            device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate)
+            device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
+            device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies))
         if any(p.kind != "none" for p in policies):
             def step(costs_of_plan) -> float:
                 return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups).step_time

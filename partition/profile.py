@@ -21,11 +21,24 @@ Each unit runs on a detached copy of the previous unit's output (aliased back to
 unit that modifies its input in place is still profiled as in the whole model), which
 lets backward run unit by unit and measure each unit's gradient buffers separately.
 
+Under ``torch.autocast`` (``autocast=torch.bfloat16``, gems-train ``--amp bf16``) the run stays
+in full precision and ``tracking.Precision`` follows what autocast would lower: storages made by
+convolutions and matmuls, and by the ops that take only such storages (batch norm, ReLU,
+pooling, additions of them), are priced at the lower precision's size, and the lower-precision
+copies a convolution or matmul makes of its full-precision inputs (its weight, the image) are
+added as storages it keeps. A documented approximation: storages that cross a unit boundary keep
+their full size (the runtime sends boundaries in the plan's dtypes, so the stage receiving one
+holds it at full size; the stage sending one is overestimated by half of it), FLOPs and working
+memory stay those of the full-precision run (upper bounds), and ops that autocast runs in
+float32 (softmax, layer norm, losses) make full-precision storages without the copies of their
+inputs.
+
 What comes out is plain records (``gems.partition.records``): per unit its bytes and FLOPs,
 and the storages kept or passed on, from which any stage is priced without running again.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
 from .records import ModelProfile, Storage, UnitProfile
-from .tracking import Allocations, StorageKeys, storage_bytes, tensor_bytes
+from .tracking import Allocations, Precision, StorageKeys, storage_bytes, tensor_bytes
 
 # Optimizer state per trainable parameter, in parameter sizes.
 OPTIMIZER_STATE = {"sgd": 1, "sgd-nomomentum": 0, "adam": 2, "adamw": 2}
@@ -43,12 +56,14 @@ OPTIMIZER_STATE = {"sgd": 1, "sgd-nomomentum": 0, "adam": 2, "adamw": 2}
 
 def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: int,
             dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
-            model_name: str | None = None) -> ModelProfile:
+            model_name: str | None = None, autocast: torch.dtype | None = None) -> ModelProfile:
     """Profile ``model`` (an nn.Sequential of units) on a fake micro-batch of
     ``micro_batch_size`` samples of ``input_shape`` (per sample, e.g. (3, 2048, 2048)).
 
     Parameters and buffers are faked too (in ``dtype`` when floating point), so neither the
     input nor the weights are allocated; the model may even live on the meta device.
+    ``autocast``: price activations as forwards under ``torch.autocast`` to this dtype keep
+    them (module docstring).
     Raises GemsError when the model cannot take the input (e.g. an image too small).
     """
     if optimizer not in OPTIMIZER_STATE:
@@ -63,7 +78,7 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
             u.train()  # profile what training keeps: BatchNorm in batch-statistics mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _Run(units, names, tuple(input_shape), micro_batch_size, dtype, optimizer,
-                        model_name or "the model").result()
+                        model_name or "the model", autocast).result()
     finally:
         for u, was_training in zip(units, training):
             u.train(was_training)
@@ -73,7 +88,7 @@ class _Run:
     """One fake forward and backward of all units (call inside FakeTensorMode)."""
 
     def __init__(self, units: list[nn.Module], names: list[str], input_shape: tuple[int, ...], batch: int,
-                 dtype: torch.dtype, optimizer: str, model_name: str) -> None:
+                 dtype: torch.dtype, optimizer: str, model_name: str, autocast: torch.dtype | None) -> None:
         self.units, self.names, self.batch = units, names, batch
         self.input_shape, self.dtype, self.optimizer, self.model_name = input_shape, dtype, optimizer, model_name
         self.keys = StorageKeys()
@@ -83,6 +98,9 @@ class _Run:
         self.static = {self.keys(t) for state in (*self.params, *self.buffers) for t in state.values()}
         self.saved: dict[int, tuple[int, set[int]]] = {}   # storage key -> (nbytes, saving units)
         self.unit = -1
+        lower = autocast is not None and autocast.itemsize < dtype.itemsize
+        self.precision = Precision(self.keys, self.static, autocast) if lower else None
+        self.copied: list[int] = []                         # per unit: bytes of autocast's input copies
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self.keys(t)
@@ -101,13 +119,16 @@ class _Run:
             leaf, arg = self._detached(previous)
             start = self.allocations.mark()
             state = {**self.params[i], **self.buffers[i]}
-            with self.flops, self.allocations, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            copied = self.precision.copied if self.precision else 0
+            with self.flops, self.allocations, self.precision or contextlib.nullcontext(), \
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 try:
                     previous = torch.func.functional_call(unit, state, (arg,))
                 except GemsError:
                     raise
                 except (RuntimeError, ValueError, IndexError, TypeError) as error:
                     raise self._input_error(i, error) from None
+            self.copied.append(self.precision.copied - copied if self.precision else 0)
             fwd_flops.append(self.flops.get_total_flops())
             fwd_working.append(self.allocations.peak_since(start) + self.allocations.largest_operand)
             leaves.append(leaf)
@@ -171,10 +192,16 @@ class _Run:
             for key in keys:
                 crossings.setdefault(key, set()).add(b - 1)
         keys = list(self.saved) + [k for k in crossings if k not in self.saved]
-        return [Storage(nbytes=self.saved[k][0] if k in self.saved else nbytes[k],
-                        savers=tuple(sorted(self.saved[k][1])) if k in self.saved else (),
+
+        def size(k: int) -> int:
+            full = self.saved[k][0] if k in self.saved else nbytes[k]
+            if self.precision and k in self.precision.lowered and k not in crossings:
+                return full * self.precision.dtype.itemsize // self.dtype.itemsize
+            return full
+        copies = [Storage(nbytes=n, savers=(u,), boundaries=()) for u, n in enumerate(self.copied) if n]
+        return [Storage(nbytes=size(k), savers=tuple(sorted(self.saved[k][1])) if k in self.saved else (),
                         boundaries=tuple(sorted(crossings.get(k, ()))))
-                for k in keys]
+                for k in keys] + copies
 
     def _detached(self, previous: torch.Tensor | tuple) -> tuple[tuple[torch.Tensor, ...], object]:
         """Unit input cut off from the previous unit's graph (so backward runs per unit).

@@ -5,7 +5,8 @@ storage, and when storages are created and freed.
 original). ``Allocations``, a dispatch mode, logs every storage created and freed while it
 is active, so the profile can replay the live bytes of any window (a unit's forward or
 backward) and find its peak; it also records the largest operand of ops whose kernels take
-scratch memory that no fake run can see (``WORKSPACE_OPS``).
+scratch memory that no fake run can see (``WORKSPACE_OPS``). ``Precision``, another, follows
+which storages ``torch.autocast`` would hold in its lower precision.
 """
 from __future__ import annotations
 
@@ -98,6 +99,55 @@ class Allocations(TorchDispatchMode):
                 live += delta
                 peak = max(peak, live)
         return peak
+
+
+# How autocast treats the ops a CNN reaches the dispatcher with (its CUDA op lists; nn.Conv2d
+# arrives as convolution, nn.Linear as addmm or mm): these run in the lower precision, on copies
+# of their full-precision inputs that they keep for backward ...
+LOWER_PRECISION_OPS = {"convolution", "_convolution", "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv",
+                       "addr"}
+# ... these in float32 whatever their inputs; every other op in the precision of its inputs.
+FLOAT32_OPS = {"_softmax", "_log_softmax", "native_layer_norm", "native_group_norm", "nll_loss_forward",
+               "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits",
+               "kl_div", "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "sum", "prod", "cumsum", "cumprod",
+               "norm", "linalg_vector_norm", "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh", "sinh", "tan",
+               "erfinv", "cdist", "_pdist_forward", "renorm"}
+
+
+class Precision(TorchDispatchMode):
+    """Follows which storages a forward under ``torch.autocast`` would hold in its lower
+    precision, while the fake run itself stays in full precision.
+
+    A storage is *lowered* when a lower-precision op makes it, or an op outside both lists whose
+    floating activation inputs (parameters and buffers aside) are all lowered. ``copied`` adds
+    up the bytes of the lower-precision copies autocast makes of a lower-precision op's
+    full-precision inputs (weights, and activations not lowered yet), which that op keeps for
+    backward. An approximation of autocast's own rules (module docstring of
+    ``gems.partition.profile``)."""
+
+    def __init__(self, keys: StorageKeys, static: set[int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.keys, self.static, self.dtype = keys, static, dtype
+        self.lowered: set[int] = set()     # storage keys
+        self.copied = 0                    # bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.name().split("::")[-1].split(".")[0]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        activations = [t for t in inputs if self.keys(t) not in self.static]
+        if name in LOWER_PRECISION_OPS:
+            low = True
+            self.copied += sum(t.numel() * self.dtype.itemsize for t in inputs
+                               if self.keys(t) not in self.lowered and (t.dim() > 1 or self.keys(t) not in self.static))
+        else:
+            low = name not in FLOAT32_OPS and bool(activations) and all(self.keys(t) in self.lowered
+                                                                        for t in activations)
+        taken = {self.keys(t) for t in inputs}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and self.keys(t) not in taken:
+                (self.lowered.add if low else self.lowered.discard)(self.keys(t))
+        return out
 
 
 def storage_bytes(t: torch.Tensor) -> int:

@@ -76,6 +76,20 @@ def run(prog: str, body: Callable[[], int | None]) -> int:
     return 0 if status is None else int(status)
 
 
+def communicator(prog: str, backend: str, timeout: float, allow_shared_gpu: bool):
+    """This process's ``gems.comm.create(backend, ...)`` for a command run by every rank. A
+    GemsError from it (a device placement that cannot work is raised alike on every rank) is
+    printed once, by world rank 0, and every rank exits with status 2."""
+    from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
+
+    try:
+        return comm_lib.create(backend, timeout=timeout, allow_shared_gpu=allow_shared_gpu)
+    except GemsError as error:
+        if comm_lib.world_rank() == 0:
+            print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR)
+
+
 def setup_on_every_rank(prog: str, comm, setup: Callable[[], object]) -> object:
     """Run ``setup`` (which must not communicate) on every rank, then agree on the outcome:
     if it raised GemsError on any rank, rank 0 prints the first message once (naming the rank

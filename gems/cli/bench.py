@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 from gems.bench import BenchConfig
-from gems.cli import dataclass_parser, setup_on_every_rank
+from gems.cli import communicator, dataclass_parser, setup_on_every_rank
 
 
 def parse(argv: list[str] | None = None) -> BenchConfig:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
     from gems.train import handshake  # noqa: PLC0415
 
-    comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
+    comm = communicator("gems-bench", cfg.comm, cfg.timeout, cfg.allow_shared_gpu)
     comm_lib.configure_threads(comm)
     setup_on_every_rank("gems-bench", comm, lambda: cfg.validate(comm.size))
     handshake.agree("gems-bench", comm, handshake.benchmark(cfg))

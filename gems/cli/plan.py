@@ -5,9 +5,14 @@
     gems-plan --model my_net.py:build --image-size 1024x768 --stages 3 --balance 4,6,5 --json plan.json
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 16GiB \
               --recompute auto --offload auto
+    gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 80GiB \
+              --comm torch --amp bf16 --calibrate --simulate      # on the GPU machine itself
 
 The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
 on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
+Speeds default to a V100 on PCIe 3; --calibrate measures this machine's device instead
+(``gems.partition.calibrate``). --comm adds what a rank holds on a GPU besides tensors
+(``gems.partition.overhead``).
 """
 from __future__ import annotations
 
@@ -64,6 +69,8 @@ def class_count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from gems.partition import BALANCE_BY, OPTIMIZER_STATE
     from gems.partition.options import MODES, parse_bandwidth
+    from gems.partition.overhead import COMMS
+    from gems.partition.planner import AMP
     from gems.pipeline.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
@@ -90,10 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep saved activations in host memory until backward: all, or auto as --recompute")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="where the stages will run (offloading from a CPU device saves nothing)")
-    p.add_argument("--host-bandwidth", type=checked(parse_bandwidth), default="12GB/s", metavar="RATE",
-                   help="device-to-host copy rate for --offload, e.g. 12GB/s (PCIe 3 x16) or 25e9")
+    p.add_argument("--host-bandwidth", type=checked(parse_bandwidth), metavar="RATE",
+                   help="device-to-host copy rate for --offload, e.g. 25e9; none given: 12GB/s (PCIe 3 x16), or "
+                        "the measured rate with --calibrate")
     p.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZER_STATE))
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--amp", default="none", choices=list(AMP),
+                   help="price activations as gems-train --amp keeps them (bf16: forwards under autocast)")
+    p.add_argument("--comm", choices=COMMS,
+                   help="the transport gems-train will use (its --comm): on a cuda device, adds what every rank "
+                        "holds besides tensors (CUDA context; NCCL buffers for torch) and counts it against "
+                        "--memory-budget")
     p.add_argument("--num-classes", type=checked(class_count), default=1000)
     p.add_argument("--measure-time", action="store_true",
                    help="time every unit on this machine (CUDA if present) at the real size, for --balance-by time; "
@@ -106,15 +120,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8 and D = RANKS / K at "
                         "this --batch-size (under --memory-budget, with --recompute/--offload as given) and "
                         "recommend the fastest that fits")
-    p.add_argument("--device-tflops", type=float, default=15.7,
-                   help="device peak rate, for --simulate and the time of policies (default: a V100's fp32 peak)")
-    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of the peak the kernels reach")
+    p.add_argument("--device-tflops", type=float,
+                   help="device peak rate, for --simulate and the time of policies; none given: a V100's fp32 peak, "
+                        "15.7, or the measured rate with --calibrate")
+    p.add_argument("--efficiency", type=float,
+                   help="fraction of the peak the kernels reach; none given: 0.4, or 1 with --calibrate, whose rate "
+                        "is already sustained")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's --device (sustained TFLOP/s of a convolution; host-link bandwidth "
+                        "on CUDA) and plan with the figures instead of the V100 / PCIe 3 defaults")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run(PROG, lambda: _plan(args))
+
+
+def _speeds(args: argparse.Namespace) -> None:
+    """Fill in the device rate, efficiency and host bandwidth the user left out: measured with
+    --calibrate (printing what was measured), else a V100 on PCIe 3."""
+    import torch
+
+    from gems.partition.calibrate import calibrate
+    from gems.partition.options import HOST_BANDWIDTH
+    from gems.partition.planner import AMP
+    from gems.pipeline.simulate import EFFICIENCY, V100_FLOPS
+
+    rate, efficiency, bandwidth = V100_FLOPS, EFFICIENCY, HOST_BANDWIDTH
+    if args.calibrate:
+        measured = calibrate(args.device, AMP[args.amp] or getattr(torch, args.dtype))
+        print(measured.line())
+        rate, efficiency, bandwidth = measured.flops_per_second, 1.0, measured.host_bandwidth or bandwidth
+    args.device_tflops = rate / 1e12 if args.device_tflops is None else args.device_tflops
+    args.efficiency = efficiency if args.efficiency is None else args.efficiency
+    args.host_bandwidth = bandwidth if args.host_bandwidth is None else args.host_bandwidth
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -126,6 +166,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     if args.stages is None and not args.sweep:
         raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
+    _speeds(args)
     if args.measure_time:
         model = build(args.model, num_classes=args.num_classes)
     else:
@@ -144,7 +185,8 @@ def _plan(args: argparse.Namespace) -> None:
                    balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
-                   efficiency=args.efficiency, profiles={})   # each micro-batch size profiled once
+                   efficiency=args.efficiency, amp=args.amp, comm=args.comm,
+                   profiles={})   # each micro-batch size profiled once
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return
@@ -209,7 +251,7 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
         plans[name, K, m] = p
         if p.fits is False:
             over.append(p)
-        return costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes
+        return costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes
 
     stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
     found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from gems.cli import dataclass_parser, setup_on_every_rank
+from gems.cli import communicator, dataclass_parser, setup_on_every_rank
 from gems.train.config import TrainConfig
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
     from gems.train import handshake, trainer  # noqa: PLC0415
 
-    comm = comm_lib.create(cfg.comm, timeout=cfg.timeout)
+    comm = communicator("gems-train", cfg.comm, cfg.timeout, cfg.allow_shared_gpu)
     comm_lib.configure_threads(comm)
     job = setup_on_every_rank("gems-train", comm, lambda: trainer.prepare(cfg, comm))
     if job is None:  # --dry-run

@@ -36,6 +36,7 @@ from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 from gems.pipeline.topology import Topology
 
+# The default device when nothing was measured (gems-plan --calibrate measures this one instead).
 V100_FLOPS = 15.7e12   # fp32 peak of a V100 SXM2
 EFFICIENCY = 0.4       # fraction of peak that cuDNN convolutions of a deep ResNet typically sustain
 ALLREDUCE = ("ring", "tree")
@@ -240,7 +241,7 @@ def _peak_activations(actions: list[sch.Action], activation_bytes: Sequence[int]
     end; one position runs one action at a time, so list order is time order."""
     if activation_bytes is None:
         return 0
-    return max((sum(n * activation_bytes[s] for s, n in live.items()) for _, live in sch.moments(actions)),
+    return max((sum(n * activation_bytes[s] for s, n in live.items()) for _, live, _ in sch.moments(actions)),
                default=0)
 
 

@@ -65,6 +65,8 @@ class TrainConfig:
     skip_nonfinite: bool = opt(False, "skip a step whose loss is not finite instead of stopping")
     # runtime
     comm: str = opt("mpi", "communication backend", choices=("mpi", "torch"))
+    allow_shared_gpu: bool = opt(False, "let several ranks of a node share a GPU when it has more ranks than "
+                                 "visible GPUs (they split its memory and time); without it that stops the job")
     timeout: float = opt(300.0, "seconds a rank waits for a peer before aborting the job")
     # output
     metrics: str | None = opt(None, "write one JSON line per step to this file")

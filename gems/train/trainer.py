@@ -83,7 +83,7 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           balance_by=cfg.balance_by, balance=balance, optimizer=cfg.optimizer,
                           memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
-                          device=device)
+                          device=device, amp=cfg.amp, comm=cfg.comm)
 
 
 def _names(names: list[str]) -> str:
@@ -184,7 +184,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
         useful = ("recompute", "offload") if comm.device.type == "cuda" else ("recompute",)  # host = CPU device
         fixes += [f"--{flag} auto" for flag in useful if getattr(cfg, flag) == "none"]
         raise GemsError(f"the plan does not fit --memory-budget {format_size(plan.memory_budget)}: position "
-                        f"{worst.position} needs {format_size(worst.peak_bytes)}; try "
+                        f"{worst.position} needs {format_size(worst.peak_bytes)}"
+                        + (f" plus {format_size(plan.overhead_bytes)} besides tensors" if plan.overhead_bytes else "")
+                        + "; try "
                         + (" or ".join(fixes) if fixes else "a larger budget") + ", or a smaller batch or image")
     if cfg.enforce_memory_budget and plan.memory_budget is None:
         raise GemsError("--enforce-memory-budget needs --memory-budget (or a --plan made with one)")
@@ -236,7 +238,7 @@ def run(job: Job) -> int:
     tracer = Recorder(engine, keep=3) if cfg.trace or cfg.trace_png else None
     signals = _Signals()
     if cfg.enforce_memory_budget:  # last, so the progress bar's thread is part of the baseline
-        enforce_memory_budget(engine, plan.memory_budget)
+        enforce_memory_budget(engine, plan.memory_budget - plan.overhead_bytes)   # the tensors' share
     stream, stream_epoch = None, None
     step = start
     try:
