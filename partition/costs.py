@@ -18,6 +18,12 @@ With a memory policy chosen per stage, ``CostModel.stage`` gives what the stage 
 each position holding it (kept bytes per micro-batch, transient bytes, seconds and FLOPs
 added; ``gems.partition.policy`` prices the policy, ``unit_seconds`` turns FLOPs or
 measured times into seconds) and ``highest`` a position's peak moment under the schedule.
+
+Offload's host memory is priced apart from the device's (``CostModel.host_bytes``, the plan's
+``host_bytes``): what a waiting forward offloads (``StageMemory.back``) stays in host memory
+until the executor prefetches it, as the compute action before its backward begins
+(``host_moments``); the forward running then adds its own, and a copy of its output, when
+saved, that it lets go as it ends (the engine keeps the output on the device).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gems.pipeline import ir
 from gems.pipeline import schedule as schedules
 from gems.plan import StagePolicy
 from .policy import Holder, PolicyModel
@@ -85,12 +92,39 @@ def _or(matrix, default):
     return default if matrix is None else matrix
 
 
-def highest(moments: list[tuple[int, dict[int, int]]], kept: dict[int, int],
-            transient: dict[int, int]) -> tuple[dict[int, int], int, int]:
+def highest(moments: list[schedules.Moment], kept: dict[int, int], transient: dict[int, int],
+            back: dict[int, int] | None = None) -> tuple[dict[int, int], int, int]:
     """A position's highest moment (``gems.pipeline.schedule.moments``): its live micro-batches per
-    stage, the bytes they keep and the transient bytes of the stage computed then."""
-    return max(((live, sum(n * kept[s] for s, n in live.items()), transient[stage]) for stage, live in moments),
+    stage, the bytes they keep and the transient bytes then: the stage computed's, plus ``back``
+    of the stage whose offloaded tensors its prefetch brings back during it (none without)."""
+    back = back or {}
+    return max(((live, sum(n * kept[s] for s, n in live.items()),
+                 transient[stage] + (back.get(early, 0) if early is not None else 0))
+                for stage, live, early in moments),
                key=lambda moment: moment[1] + moment[2])
+
+
+def host_moments(actions: list[ir.Action]) -> list[tuple[int | None, dict[int, int]]]:
+    """Every distinct moment of one position's compute actions for offload's host memory:
+    (the stage of the waiting forward computed then, else None; {stage: earlier waiting
+    forwards whose offloaded tensors are in host memory}). Those leave as the compute action
+    before their backward begins (``gems.pipeline.schedule.prefetch_points``)."""
+    def key(a: ir.Action) -> tuple[int, int, int]:
+        return a.replica, a.micro, a.stage
+    compute = [a for a in actions if a.op in ir.COMPUTE]
+    waiting = {key(a) for a in schedules.waiting_forwards(actions)}
+    held: set[tuple[int, int, int]] = set()
+    seen: list[tuple[int | None, dict[int, int]]] = []
+    for a, after in zip(compute, compute[1:] + [None]):
+        if after is not None and after.op == ir.BACKWARD:
+            held.discard(key(after))
+        filling = a.stage if a.op == ir.FORWARD and key(a) in waiting else None
+        moment = (filling, dict(sorted(Counter(k[2] for k in held).items())))
+        if moment not in seen:
+            seen.append(moment)
+        if filling is not None:
+            held.add(key(a))
+    return seen
 
 
 class OnPosition(NamedTuple):
@@ -98,6 +132,7 @@ class OnPosition(NamedTuple):
 
     kept: int           # per micro-batch alive
     transient: int      # working memory + what comes back at a backward
+    back: int           # what comes back from the host (offload), on the device from the action before
     seconds: float      # added by the policy
     flops: int          # forward FLOPs recomputed
 
@@ -114,6 +149,7 @@ class CostModel:
         self.mirror = schedules.replicas(schedule) == 2
         lists = schedules.schedule(schedule, K, micro_batches)
         self.moments = [schedules.moments(actions) for actions in lists]
+        self.host_moments = [host_moments(actions) for actions in lists]
         self.in_flight = [schedules.most_alive(moments) for moments in self.moments]
         self._waiting = [Counter(a.stage for a in schedules.waiting_forwards(actions)) for actions in lists]
         self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
@@ -160,10 +196,23 @@ class CostModel:
         added time and FLOPs (``policies`` prices the policy)."""
         lo, hi = cuts[s], cuts[s + 1]
         mem = self.policies.memory(lo, hi, policy)
-        return {h.position: OnPosition(mem.kept, int(self.transient[lo, hi]) + mem.extra,
+        return {h.position: OnPosition(mem.kept, int(self.transient[lo, hi]) + mem.extra, mem.back,
                                        self.policies.seconds(lo, hi, policy, mem, h),
                                        self.policies.recompute_flops(hi, policy, h))
                 for h in self.holders(s)}
+
+    def host_bytes(self, cuts: list[int], policies: list[StagePolicy]) -> list[int]:
+        """Per position, the host bytes offload holds at its highest (``host_moments``; what
+        its pinned pool must hold); empty when no stage offloads or offloading saves nothing."""
+        if not any(p.offload for p in policies) or not self.policies.offload_works:
+            return []
+        back, filling = {}, {}
+        for s, policy in enumerate(policies):
+            if policy.offload:
+                back[s] = self.policies.memory(cuts[s], cuts[s + 1], policy).back
+                filling[s] = back[s] + self.policies.output_copied(cuts[s], cuts[s + 1], policy)
+        return [max(sum(n * back.get(s, 0) for s, n in held.items()) + filling.get(stage, 0)
+                    for stage, held in self.host_moments[p]) for p in range(self.K)]
 
     def compute_seconds(self, position: int, cuts: list[int]) -> float:
         """Seconds of forward and backward per step on ``position`` under these cuts, at the

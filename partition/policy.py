@@ -9,6 +9,7 @@ position runs one stage at a time)::
     kept    = D + what is still saved: every unit's saved storages, except that a recompute
               segment keeps only its input (the storages crossing into its first unit)
     offload = of that, everything beyond D goes to host memory, except storages < 64 KiB
+              (``back``; what that holds in host memory: ``costs.CostModel.host_bytes``)
     extra   = back + how far the highest segment backward rises above what the stage retains
               (on the device or back from the host) plus its working memory: while segment
               [a, b) runs its backward, the device holds D, what units < b retain (the later
@@ -27,7 +28,8 @@ per unit from FLOPs at the device rate (or measured times)::
     recompute   waiting forwards x forward seconds of every segment
               + immediate forwards x forward seconds of the segments but the last
     offload     waiting forwards x max(0, 2 x back / host bandwidth - stage compute): the
-                copies out (in forward) and back (at backward) hide behind compute if they can
+                copies out (in forward) and back (beside the compute action before the
+                backward) hide behind compute if they can
 
 On a CPU device host memory is device memory: offloading saves nothing (nor is it timed).
 
@@ -281,6 +283,15 @@ class PolicyModel:
         longest = len(ranked) - (len(ranked) == len(segments))
         counts = np.unique(np.linspace(1, longest, min(most, longest)).round().astype(int)) if longest else []
         return [StagePolicy(sorted(segment for _, _, segment in ranked[:count]), offload) for count in counts]
+
+    def output_copied(self, lo: int, hi: int, policy: StagePolicy) -> int:
+        """Bytes of stage [lo, hi)'s output that an offloading forward copies to the host and
+        lets go as it ends (the engine keeps the output on the device): output storages of
+        ``MIN_OFFLOAD_BYTES`` or more that units outside recompute segments save."""
+        segmented = {u for a, b in policy.recompute for u in range(a, b)}
+        saved = {i for u in range(lo, hi) if u not in segmented for i in self.saved_by[u]}
+        output = set(self.crossing[hi]) - set(self.crossing[lo])     # skips passing through are inputs
+        return self._bytes({i for i in output & saved if self.nbytes[i] >= MIN_OFFLOAD_BYTES})
 
     def peak(self, lo: int, hi: int, policy: StagePolicy, holders: Sequence[Holder]) -> int:
         """The stage's largest contribution to a holder's peak, working memory aside."""

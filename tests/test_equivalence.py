@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+import gems.pipeline.offload
 import gems.pipeline.stage
 from gems.pipeline import ir
 from gems.pipeline import schedule as sch
@@ -69,7 +70,7 @@ def offloads(policy: str, waiting: list[int]) -> bool:
 def test_policies_keep_the_math_and_the_recompute_rule(policy, schedule, K, m, D, monkeypatch):
     """Same state and losses as one process; each rank ran its units as the rule says; offload
     moves something exactly on the ranks with waiting forwards, and brings all of it back."""
-    monkeypatch.setattr(gems.pipeline.stage, "MIN_OFFLOAD_BYTES", 1)   # these activations are tiny
+    monkeypatch.setattr(gems.pipeline.offload, "MIN_OFFLOAD_BYTES", 1)   # these activations are tiny
     results = run_loopback("transparency", schedule, K, m, D, steps=2, policy=policy)
     for r in results:
         assert (r.offloaded > 0) == offloads(policy, r.waiting), f"rank {r.rank}: {r.offloaded} B offloaded"
@@ -99,7 +100,7 @@ def test_batchnorm_copies_stay_identical(schedule, K, m, D):
 
 @pytest.mark.parametrize("policy", ["recompute", "recompute+offload"])
 def test_batchnorm_with_policies(policy, monkeypatch):
-    monkeypatch.setattr(gems.pipeline.stage, "MIN_OFFLOAD_BYTES", 1)
+    monkeypatch.setattr(gems.pipeline.offload, "MIN_OFFLOAD_BYTES", 1)
     run_loopback("batchnorm", "mast", 2, 2, 2, steps=2, policy=policy)
 
 

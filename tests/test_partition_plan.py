@@ -46,7 +46,7 @@ def test_mast_plan_holds_what_the_engine_needs():
         acts = sum(pos.in_flight[s] * p.stage_estimates[s].activation_bytes for s in pos.stages)
         assert pos.peak_bytes == static + acts + pos.transient_bytes
         moments = [sum(n * p.stage_estimates[s].activation_bytes for s, n in live.items())
-                   + p.stage_estimates[stage].transient_bytes for stage, live in moments_of(lists[pos.position])]
+                   + p.stage_estimates[stage].transient_bytes for stage, live, _ in moments_of(lists[pos.position])]
         assert pos.peak_bytes == static + max(moments)
     middle = p.positions[1]
     assert middle.stages == [1] and middle.in_flight[1] == flights[1][1]   # one shared copy

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 import gems
+import gems.pipeline.offload
 import gems.pipeline.stage
 from gems import models, partition
 from gems.pipeline import schedule as sch
 from gems.comm.base import Backoff, Comm, Group, Request
 from gems.plan import StagePolicy
-from gems.pipeline.stage import MIN_OFFLOAD_BYTES, StageRunner, checkpointed_segments
+from gems.pipeline.stage import StageRunner, checkpointed_segments
+from gems.plan import MIN_OFFLOAD_BYTES
 
 SIDE = 32          # 4 rows x 8 channels x 32 x 32 floats = 128 KiB per activation: above MIN_OFFLOAD_BYTES
 ROWS = 4           # per micro-batch
@@ -212,7 +214,7 @@ def test_batchnorm_with_cumulative_average():
 
 
 def test_tuple_boundaries_amoebanet(monkeypatch):
-    monkeypatch.setattr(gems.pipeline.stage, "MIN_OFFLOAD_BYTES", 1)   # its tensors are small at this size
+    monkeypatch.setattr(gems.pipeline.offload, "MIN_OFFLOAD_BYTES", 1)   # its tensors are small at this size
     policy = per_unit(len(amoebanet()), offload=True)
     run = train("amoebanet", policy, "gpipe", 2, steps=1, side=SIDE)
     assert_same(run, train("amoebanet", None, "gpipe", 2, steps=1, side=SIDE))

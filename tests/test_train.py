@@ -15,6 +15,9 @@ import torch
 
 from conftest import DISTRIBUTED, REPO, _descendants, _kill_tree, mpiexec, run_mpi
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
 TRAIN = Path(sys.executable).parent / "gems-train"
 TINY = "tests/assets/tiny_model.py:tiny"
 BASE = ["--model", TINY, "--image-size", "32", "--workers", "0", "--no-progress", "--lr", "0.05"]
@@ -37,6 +40,8 @@ def test_two_ranks_mast_learns_and_exports(tmp_path):
                      timeout=240)
     assert "gems-train: done" in result.stdout
     assert "per replica 1 micro-batch(es) x 4 images" in result.stdout
+    summary = gpu_check.train_summary(result.stdout)   # what make gpu-check reports of such a run
+    assert summary["images_per_s"] > 0 and [m["rank"] for m in summary["memory"]] == [0, 1]
     seen = losses(metrics)
     assert len(seen) == 30
     assert sum(seen[-5:]) / 5 < 0.6 * sum(seen[:5]) / 5, seen

@@ -32,6 +32,7 @@ from gems.pipeline.batches import MicroBatches
 from gems.pipeline.executor import Executor
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.ir import describe_action
+from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.stage import StageRunner
@@ -91,7 +92,11 @@ class Engine:
         model_keys = list(model.state_dict().keys())
         self.stages: dict[int, nn.Sequential] = {
             s: model[plan.cuts[s]:plan.cuts[s + 1]].to(self.device) for s in self.topology.holds(self.position)}
-        runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device)
+        # One pool of host buffers for all the stages this rank offloads, bounded by what the
+        # plan prices it at (gems.partition.costs.host_moments).
+        self.host_pool = HostPool(plan.host_bytes[self.position] if plan.host_bytes else None,
+                                  pin=self.device.type == "cuda")
+        runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm)
         self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])

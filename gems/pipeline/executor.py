@@ -5,7 +5,8 @@
   policy (``StageRunner``); on the last stage the loss is computed and scaled by the
   micro-batch's share of the global batch (``MicroBatches.loss_scale``);
 - backward: autograd from the loss or from the received output gradient; the input gradient
-  is kept for the send that follows;
+  is kept for the send that follows. What its forward offloaded is prefetched as the compute
+  action before it begins (``schedule.prefetch_points``), so the copy back runs beside that action;
 - send / recv: through the ``Messenger``; sync / step: through ``GradSync``.
 
 Every action is timed (``ActionTimer``) for traces and gems-bench.
@@ -20,6 +21,7 @@ from gems.pipeline import ir
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.p2p import Messenger
+from gems.pipeline.schedule import prefetch_points
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.timing import ActionTimer
 
@@ -43,6 +45,7 @@ class Executor:
         self._inbox: dict[tuple, tuple[torch.Tensor, ...]] = {}   # received, not yet consumed
         self._images: torch.Tensor | None = None
         self._labels: torch.Tensor | None = None
+        self._prefetch = prefetch_points(actions)
         self._run = {ir.FORWARD: self._forward, ir.BACKWARD: self._backward,
                      ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
                      ir.SEND_ACT: lambda a: messenger.send(a, self._stash[_key(a)][1]),
@@ -58,9 +61,12 @@ class Executor:
         timer, now = self.timer, self.timer.now
         self.messenger.begin_step()
         timer.begin_step()
-        for a in self.actions:
+        for i, a in enumerate(self.actions):
             self.current = a
             start = now()
+            key = self._prefetch.get(i)
+            if key is not None:
+                self.runners[key[2]].prefetch(key)
             self._run[a.op](a)
             timer.span(str(a), start, now())
         self._images = self._labels = None
@@ -90,7 +96,6 @@ class Executor:
     def _backward(self, a: ir.Action) -> None:
         key = _key(a)
         inputs, out = self._stash.pop(key)
-        self.runners[a.stage].prefetch(key)
         if a.stage == self.last_stage:
             torch.autograd.backward(out)
         else:

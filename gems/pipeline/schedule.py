@@ -137,23 +137,46 @@ def schedule(name: str, K: int, m: int = 1) -> list[list[Action]]:
     return lists
 
 
-def moments(actions: list[Action]) -> list[tuple[int, dict[int, int]]]:
+def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
+    """{index of a compute action: (replica, micro, stage) of the backward whose offloaded
+    tensors come back as it begins}: the next compute action, when that is a backward whose
+    forward ran earlier (a waiting forward's; an immediate forward's backward follows its
+    forward, which offloaded nothing). The copy back then runs beside that action, and what
+    it brings back is on the device during it (``moments`` counts it)."""
+    compute = [i for i, a in enumerate(actions) if a.op in COMPUTE]
+    points, forwarded = {}, set()
+    for i, j in zip(compute, compute[1:]):
+        after = actions[j]
+        if after.op == BACKWARD and (after.replica, after.micro, after.stage) in forwarded:
+            points[i] = (after.replica, after.micro, after.stage)
+        if actions[i].op == FORWARD:
+            forwarded.add((actions[i].replica, actions[i].micro, actions[i].stage))
+    return points
+
+
+Moment = tuple[int, dict[int, int], "int | None"]
+
+
+def moments(actions: list[Action]) -> list[Moment]:
     """Every distinct moment of one position's compute actions, in order: (the stage
-    computed, {stage: micro-batches alive}).
+    computed, {stage: micro-batches alive}, the stage whose backward is prefetched then or
+    None (``prefetch_points``)).
 
     A micro-batch is alive on a stage from the start of its forward to the end of its
     backward (the one computed counts); under ``mast`` both replicas of a shared middle stage
     count together. A position's memory peaks at one of these moments: the planner prices
-    each as what every live micro-batch keeps plus the working memory of the stage computed.
+    each as what every live micro-batch keeps plus the working memory of the stage computed,
+    plus what an offloading stage's prefetch brings back early.
     """
     live: dict[int, int] = {}
-    seen: list[tuple[int, dict[int, int]]] = []
-    for a in actions:
+    seen: list[Moment] = []
+    prefetch = prefetch_points(actions)
+    for i, a in enumerate(actions):
         if a.op not in COMPUTE:
             continue
         if a.op == FORWARD:
             live[a.stage] = live.get(a.stage, 0) + 1
-        moment = (a.stage, dict(sorted(live.items())))
+        moment = (a.stage, dict(sorted(live.items())), prefetch[i][2] if i in prefetch else None)
         if moment not in seen:
             seen.append(moment)
         if a.op == BACKWARD:
@@ -163,9 +186,9 @@ def moments(actions: list[Action]) -> list[tuple[int, dict[int, int]]]:
     return seen
 
 
-def most_alive(position_moments: list[tuple[int, dict[int, int]]]) -> dict[int, int]:
+def most_alive(position_moments: list[Moment]) -> dict[int, int]:
     """{stage: most micro-batches of that stage alive at once} over one position's ``moments``."""
-    alive = [live for _, live in position_moments]
+    alive = [live for _, live, _ in position_moments]
     return {s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})}
 
 

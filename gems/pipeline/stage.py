@@ -2,9 +2,10 @@
 
 A stage's ``StagePolicy`` (``gems.partition.plan``) names recompute segments (model unit
 ranges ``[first, end)``) and whether what backward needs goes to host memory. The engine
-runs every stage forward through a ``StageRunner`` and calls ``prefetch`` when that
-micro-batch's backward starts. The math does not change: same gradients, and BatchNorm's
-running statistics are updated once per forward, never by a recomputation.
+runs every stage forward through a ``StageRunner`` and calls ``prefetch`` one compute action
+ahead of that micro-batch's backward (``gems.pipeline.executor``), so the copy back runs
+beside that action. The math does not change: same gradients, and BatchNorm's running
+statistics are updated once per forward, never by a recomputation.
 
 Which forwards a policy applies to
 ----------------------------------
@@ -37,8 +38,9 @@ its backward, the device keeps:
 - recompute:          A_U + sum I_i; during its backward, + max A_i (one segment
                       rematerialized at a time, freed as its backward ends).
 - offload:            X, Y, parameters, and saved tensors under ``MIN_OFFLOAD_BYTES``; the rest
-                      waits in host memory (pinned, on CUDA) and all of it comes back when
-                      that micro-batch's backward starts (so + A_U + sum A_i then).
+                      waits in host memory (``HostPool``) and all of it comes back as the
+                      compute action before that micro-batch's backward starts (so + A_U +
+                      sum A_i from then on).
 - recompute+offload:  as offload, where what is saved is A_U + sum I_i (the checkpoint
                       inputs); during its backward, those back, + max A_i.
 
@@ -46,7 +48,19 @@ An immediate forward holds, from its forward until its backward, what a waiting 
 while the backward of its last segment runs (everything back from the host, that segment
 rematerialized), so both reach the same peak. Time: a checkpointed segment runs its
 forward twice (``checkpointed_segments`` says which, per forward); offloading copies what it
-moves out during the forward and back at the backward, on a side stream beside the compute.
+moves out during the forward and back during the compute action before the backward, on a
+side stream beside the compute.
+
+Host memory and in-place writes
+-------------------------------
+Offloaded tensors live in buffers of a bounded ``HostPool`` (pinned on CUDA; one can serve
+all of a rank's stages): a micro-batch's buffers go back to the pool as its prefetch is
+queued (CUDA: reusable once that copy is done) and later forwards reuse them, so the
+steady state pins nothing new. The planner prices what the pool holds at a position's
+peak (``gems.partition.costs.host_moments``). ``saved_tensors_hooks`` bypass autograd's
+version check, so each saved tensor's version is recorded at pack and compared when the
+same tensor is saved again and at unpack: an in-place write after the pack (which would
+race the copy on CUDA) raises instead of training on stale values.
 
 On a CPU device the host *is* the device: offloading still copies every saved tensor
 into a separate CPU tensor and back (so the tests exercise the math), but saves nothing.
@@ -55,7 +69,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Iterator
 
 import torch
@@ -63,9 +76,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gems.errors import GemsError
-from gems.plan import MIN_OFFLOAD_BYTES, StagePolicy
+from gems.pipeline.offload import HostPool, _Offload
+from gems.plan import StagePolicy
 
 Key = tuple[int, int, int]   # (replica, micro-batch, stage)
+
 
 
 def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -107,15 +122,19 @@ class StageRunner:
         first_unit: ``lo``, the model index of its first unit (policies name model units).
         policy: what to recompute and whether to offload.
         device: where the stage runs.
+        pool: host buffers for what it offloads, shared by the rank's stages (default: a
+            pool of its own, bounded by ``DEFAULT_HOST_POOL_BYTES``, pinned on CUDA).
     """
 
     def __init__(self, module: nn.Sequential, first_unit: int, policy: StagePolicy,
-                 device: torch.device) -> None:
+                 device: torch.device, pool: HostPool | None = None) -> None:
         self.module, self.policy = module, policy
         self._pieces = {waiting: _pieces(module, first_unit,
                                          checkpointed_segments(policy, waiting, first_unit + len(module)))
                         for waiting in (True, False)}
-        self.offload = _Offload(module, device) if policy.offload else None
+        if pool is None and policy.offload:
+            pool = HostPool(pin=device.type == "cuda")
+        self.offload = _Offload(module, device, pool) if policy.offload else None
 
     def forward(self, inputs: tuple[torch.Tensor, ...], key: Key, waiting: bool) -> tuple[torch.Tensor, ...]:
         """The stage's output for one micro-batch; ``waiting``: whether its backward is not
@@ -134,7 +153,8 @@ class StageRunner:
         return xs
 
     def prefetch(self, key: Key) -> None:
-        """Start bringing back what the forward of ``key`` offloaded (call as its backward starts)."""
+        """Start bringing back what the forward of ``key`` offloaded (the executor calls it as
+        the compute action before that backward begins); a second call for ``key`` does nothing."""
         if self.offload is not None:
             self.offload.prefetch(key)
 
@@ -178,102 +198,3 @@ def _scratch_buffers(piece: nn.Module) -> Iterator[None]:
     finally:
         for m, name, b in real:
             setattr(m, name, b)
-
-
-class _Saved:
-    """One saved tensor sent to the host: its host copy, then its device copy."""
-
-    __slots__ = ("source", "host", "device", "ready")
-
-    def __init__(self, source: torch.Tensor, host: torch.Tensor) -> None:
-        self.source = weakref.ref(source)
-        self.host: torch.Tensor | None = host
-        self.device: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None   # device copy complete (CUDA prefetch)
-
-
-class _Offload:
-    """saved_tensors_hooks that move a stage's saved tensors to host memory and back.
-
-    CUDA: device->host copies run on a side stream after the compute stream's work so far
-    (``record_stream`` keeps the source's memory from reuse until the copy is done); the
-    prefetch copies back on the same stream, last saved first (backward needs them in
-    reverse order), and each unpack waits on its tensor's event only.
-    """
-
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
-        self.module, self.device = module, device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.saved: dict[Key, list[_Saved]] = {}
-        self.bytes = 0   # moved to the host so far (for tests and traces)
-
-    @contextlib.contextmanager
-    def saving(self, key: Key, inputs: tuple[torch.Tensor, ...]) -> Iterator[None]:
-        # Parameters, buffers and the stage's inputs stay on the device anyway: never copied.
-        resident = {t.untyped_storage().data_ptr()
-                    for t in (*self.module.parameters(), *self.module.buffers(), *inputs)}
-        saved = self.saved[key] = []
-        by_id: dict[tuple[int, int], _Saved] = {}   # a tensor saved by several ops moves once
-
-        def pack(t: torch.Tensor):
-            if (t.device != self.device or t.layout != torch.strided
-                    or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES
-                    or t.untyped_storage().data_ptr() in resident):
-                return t
-            known = by_id.get((id(t), t._version))
-            if known is not None and known.source() is t:
-                return known
-            item = by_id[(id(t), t._version)] = _Saved(t, self._to_host(t))
-            saved.append(item)
-            return item
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty_like(t, device="cpu", pin_memory=self.cuda)
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self.stream)
-        else:
-            host.copy_(t)
-        self.bytes += t.numel() * t.element_size()
-        return host
-
-    def keep_on_device(self, key: Key, outputs: tuple[torch.Tensor, ...]) -> None:
-        """Saved tensors that are the stage's outputs stay alive on the device (the engine
-        keeps them for the backward): use those instead of bringing a second copy back."""
-        out = {t.untyped_storage().data_ptr() for t in outputs}
-        for item in self.saved.get(key, []):
-            source = item.source()
-            if source is not None and source.untyped_storage().data_ptr() in out:
-                item.device, item.host = source, None
-
-    def prefetch(self, key: Key) -> None:
-        items = self.saved.pop(key, [])
-        if not self.cuda:
-            return
-        with torch.cuda.stream(self.stream):
-            for item in reversed(items):
-                if item.device is None:
-                    item.device = item.host.to(self.device, non_blocking=True)
-                    item.ready = torch.cuda.Event()
-                    item.ready.record(self.stream)
-                    item.host = None
-
-    def _unpack(self, item):
-        if isinstance(item, torch.Tensor):
-            return item
-        if item.device is None:   # CPU, or a backward without prefetch
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            item.device, item.host = item.host.to(self.device, non_blocking=self.cuda), None
-        elif item.ready is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(item.ready)
-            item.device.record_stream(stream)
-            item.ready = None
-        return item.device
