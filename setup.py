@@ -14,7 +14,10 @@ setup(
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "matplotlib",
+                 "timm", "segmentation-models-pytorch", "safetensors"],
+        # --model timm:NAME / smp:ARCH:ENCODER, and --init-from FILE.safetensors
+        "models": ["timm", "segmentation-models-pytorch", "safetensors"],
         # --trace-png draws timelines with matplotlib
         "plot": ["matplotlib"],
     },

@@ -45,13 +45,14 @@ from gems.errors import GemsError
 from gems.obs import memory, trace
 from gems.pipeline import schedule as sch
 from gems.pipeline import simulate
-from gems.train.config import opt
+from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, model_kwargs, opt
 from gems.units import format_size
 
 
 @dataclass
 class BenchConfig:
-    model: str = opt("resnet18", "registry name or path/file.py:factory")
+    model: str = opt("resnet18", MODEL_HELP)
+    model_arg: tuple[str, ...] = opt((), MODEL_ARG_HELP, metavar="KEY=VALUE")
     image_size: int = opt(512, "side of the square synthetic images, in pixels")
     batch_size: int = opt(2, "global batch: images per optimizer step over all ranks")
     schedules: str = opt("mp,gpipe,1f1b,mast", "comma-separated schedules to run, in this order")
@@ -83,6 +84,7 @@ class BenchConfig:
 
     def validate(self, world: int) -> None:
         self.schedule_list()
+        model_kwargs(self.model_arg)
         for name in ("image_size", "batch_size", "steps", "num_classes"):
             if getattr(self, name) < 1:
                 raise GemsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -283,7 +285,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
     device = comm.device   # placed by gems.comm (CUDA_VISIBLE_DEVICES and per-task GPUs respected)
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, num_classes=cfg.num_classes)
+    model = models.build(cfg.model, num_classes=cfg.num_classes, **model_kwargs(cfg.model_arg))
     images, labels = synthetic_batch(cfg)
     boundary = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, "mp",
                               balance_by=cfg.balance_by).stage_estimates[0].output_bytes

@@ -12,6 +12,7 @@ Estimates include the stages' policies (``gems.partition.policy`` prices them); 
 from __future__ import annotations
 
 import json
+import math
 import os
 import types
 import typing
@@ -22,7 +23,7 @@ from gems.units import format_size
 
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
-_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": []}
+_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": []}
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
@@ -151,6 +152,9 @@ class Plan:
     # Per position, host memory that offload holds at its highest (the bound of the rank's pinned
     # pool, gems.pipeline.offload.HostPool); not in any *_bytes above. Empty unless offloading saves memory.
     host_bytes: list[int] = field(default_factory=list)
+    # Module paths or class names traced whole (gems.graph.graph_units): the engine traces the
+    # model with them too, so both see the same units.
+    leaf_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -276,6 +280,14 @@ class Plan:
             "",
             f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
         ]
+        crossing = [s for s in range(self.stages - 1) if len(self.stage_output_shapes[s]) > 1]
+        if crossing:   # several tensors cross a cut: skips (a traced model's relay them), tuples
+            lines += ["", "tensors crossing each cut with more than one (per micro-batch):"]
+            for s in crossing:
+                parts = [f"{'x'.join(map(str, [self.micro_batch_size, *shape]))} {dtype} "
+                         f"({format_size(self.micro_batch_size * math.prod(shape) * _itemsize(dtype))})"
+                         for shape, dtype in zip(self.stage_output_shapes[s], self.stage_output_dtypes[s])]
+                lines.append(f"  after stage {s}: " + ", ".join(parts))
         if policed and self.step_seconds is not None:
             lines.append(f"predicted step {self.step_seconds:.3f} s with the policies, {self.plain_step_seconds:.3f} s "
                          f"without (at {self.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
@@ -350,3 +362,9 @@ def _rows(header: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
         return "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def _itemsize(dtype: str) -> int:
+    import torch  # noqa: PLC0415 - as in _is_dtype
+
+    return getattr(torch, dtype).itemsize

@@ -1,9 +1,10 @@
 """Models from the user's own code: ``"path/to/file.py:factory"`` or ``"package.module:factory"``.
 
 The factory is called as ``factory(num_classes=..., **kw)`` when it takes ``num_classes``
-(or ``**kwargs``), else as ``factory(**kw)``. It must return an ``nn.Sequential`` whose
-elements are the units gems may cut between, following the boundary convention of
-``gems.models`` (each unit takes exactly what the previous one returned).
+(or ``**kwargs``), else as ``factory(**kw)``. It may return any ``nn.Module``, which gems
+uses as it is: an ``nn.Sequential`` whose elements follow the boundary convention of
+``gems.models`` (each unit takes exactly what the previous one returned), or any other module,
+which the graph front-end splits.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def is_user_spec(name: str) -> bool:
     return ":" in name or name.endswith(".py")
 
 
-def build_user_model(spec: str, num_classes: int, kw: dict[str, Any]) -> nn.Sequential:
-    """Import the factory named by ``spec``, call it, and check that it returned units."""
+def build_user_model(spec: str, num_classes: int, kw: dict[str, Any]) -> nn.Module:
+    """Import the factory named by ``spec``, call it, and check that it returned a module."""
     factory = load_factory(spec)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -43,9 +44,8 @@ def build_user_model(spec: str, num_classes: int, kw: dict[str, Any]) -> nn.Sequ
             raise GemsError(f"{spec} does not accept {', '.join(unknown)}; its parameters are "
                             f"({', '.join(params) or 'none'}): add them to the factory or drop those options.")
     model = factory(**args)
-    if not isinstance(model, nn.Sequential):
-        raise GemsError(f"{spec} must return an nn.Sequential whose elements are the units gems may cut "
-                        f"between; got {type(model).__name__}.")
+    if not isinstance(model, nn.Module):
+        raise GemsError(f"{spec} must return an nn.Module (the model to train); got {type(model).__name__}.")
     return model
 
 
@@ -58,11 +58,11 @@ def load_factory(spec: str) -> Callable[..., Any]:
     factory = getattr(module, attr, None)
     if factory is None:
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise GemsError(f"{where} has no {attr!r}; define def {attr}(num_classes=1000, ...) -> nn.Sequential "
+        raise GemsError(f"{where} has no {attr!r}; define def {attr}(num_classes=1000, ...) -> nn.Module "
                         f"there or name one of: {', '.join(found) or 'no public callables found'}.")
     if not callable(factory):
         raise GemsError(f"{where}:{attr} is a {type(factory).__name__}, not a function; point at a factory "
-                        "that returns an nn.Sequential.")
+                        "that returns an nn.Module.")
     return factory
 
 

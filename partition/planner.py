@@ -26,6 +26,7 @@ from torch import nn
 
 from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
+from gems.graph import balance_at, graph_units
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
@@ -41,7 +42,7 @@ from .solver import cuts_from_balance, evaluate, solve
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
 
-def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stages: int,
+def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: int,
          schedule: str = "mast", micro_batches: int = 1, balance_by: str = "memory",
          memory_budget: int | str | None = None, balance: Sequence[int] | None = None,
          optimizer: str = "sgd", dtype: torch.dtype | str = torch.float32, groups: int = 1,
@@ -49,8 +50,13 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
          recompute: str = "none", offload: str = "none", device: str = "cuda",
          host_bandwidth: float | str = HOST_BANDWIDTH, device_flops: float = V100_FLOPS,
          efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
-         comm: str | None = None) -> Plan:
-    """Cut ``model`` (an nn.Sequential of units) into ``stages`` stages for ``schedule``.
+         comm: str | None = None, split_points: Sequence[str] | None = None,
+         leaf_modules: Sequence[type[nn.Module] | str] = ()) -> Plan:
+    """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
+    units; any other module is traced into units (``gems.graph.graph_units``, with
+    ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
+    one per stage after the first: ``["encoder.layer3", "decoder.blocks.1"]``) fixes where stages
+    begin instead of the solver.
 
     ``input_shape`` is one sample's shape (e.g. (3, 2048, 2048)); ``batch_size`` the images
     per optimizer step over the whole job, split into ``groups`` x replicas x
@@ -71,16 +77,13 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
-    if not isinstance(model, nn.Sequential) or len(model) == 0:
-        raise GemsError("the model must be a non-empty nn.Sequential of units: build it with gems.models.build")
-    n = len(model)
+    if not isinstance(model, nn.Module):
+        raise GemsError(f"the model must be an nn.Module, got {type(model).__name__}")
     K = _positive_int(stages, "the number of stages")
     m = _positive_int(micro_batches, "the number of micro-batches")
     groups = _positive_int(groups, "the number of groups")
     batch_size = _positive_int(batch_size, "the batch size")
     schedules.check(schedule, K, m)
-    if K > n:
-        raise GemsError(f"{name} has {n} units, so it cannot be cut into {K} stages: use at most {n} stages")
     if balance_by not in BALANCE_BY:
         raise GemsError(f"cannot balance by {balance_by!r}: choose one of {', '.join(BALANCE_BY)}")
     if optimizer not in OPTIMIZER_STATE:
@@ -111,6 +114,19 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
                         "is counted: raise --memory-budget")
     shape = _input_shape(input_shape)
     torch_dtype = _dtype(dtype)
+    leaves = [c if isinstance(c, str) else c.__name__ for c in leaf_modules]
+    traced = not isinstance(model, nn.Sequential)
+    if traced:   # any nn.Module: its chain of units (gems.graph)
+        model = graph_units(model, shape, batch_size // split, leaves)
+    n = len(model)
+    if n == 0:
+        raise GemsError(f"{name} has no units to run: give it at least one module")
+    if K > n:
+        raise GemsError(f"{name} has {n} units, so it cannot be cut into {K} stages: use at most {n} stages")
+    if split_points is not None:
+        if balance is not None:
+            raise GemsError("give either split points or a balance, not both")
+        balance = balance_at(getattr(model, "unit_names", [str(i) for i in range(n)]), split_points, K)
     cuts = None if balance is None else cuts_from_balance(balance, n, K)
     if unit_times is not None and (len(unit_times) != n or any(not t >= 0 for t in unit_times)):
         raise GemsError(f"unit_times must give one non-negative time per unit ({n} values)")
@@ -136,6 +152,8 @@ def plan(model: nn.Sequential, input_shape: Sequence[int], batch_size: int, stag
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
+    if traced:
+        result.leaf_modules = leaves   # the engine traces the model the same way
     return result
 
 

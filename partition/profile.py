@@ -70,7 +70,7 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
         raise GemsError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE)}")
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise GemsError("the model must be a non-empty nn.Sequential of units: build it with gems.models.build")
-    names = [name for name, _ in model.named_children()]
+    names = getattr(model, "unit_names", None) or [name for name, _ in model.named_children()]
     units = list(model)
     training = [u.training for u in units]
     try:

@@ -8,6 +8,7 @@
     gems.pipeline                 the runtime
     gems.comm                     transports
     gems.models                   model builders
+    gems.graph                    any model as a chain of units (what the planner prices and the runtime runs)
     gems.plan                     the plan types the runtime reads
     gems.errors, gems.units       the base
 
@@ -30,16 +31,18 @@ ALLOWED = {
     "gems.errors": set(),
     "gems.units": {"gems.errors"},
     "gems.plan": BASE,
+    "gems.graph": BASE,
     "gems.models": BASE,
     "gems.comm": BASE,
-    "gems.pipeline": BASE | {"gems.plan", "gems.comm"},
+    "gems.pipeline": BASE | {"gems.plan", "gems.graph", "gems.comm"},
     "gems.obs": BASE | {"gems.plan", "gems.pipeline"},
-    "gems.partition": BASE | {"gems.plan", "gems.models", "gems.pipeline", "gems.obs"},
-    "gems.train": BASE | {"gems.plan", "gems.models", "gems.comm", "gems.pipeline", "gems.obs", "gems.partition"},
-    "gems.bench": BASE | {"gems.plan", "gems.models", "gems.comm", "gems.pipeline", "gems.obs", "gems.partition",
-                          "gems.train"},
-    "gems.cli": BASE | {"gems.plan", "gems.models", "gems.comm", "gems.pipeline", "gems.obs", "gems.partition",
-                        "gems.train", "gems.bench"},
+    "gems.partition": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.pipeline", "gems.obs"},
+    "gems.train": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
+                          "gems.partition"},
+    "gems.bench": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
+                          "gems.partition", "gems.train"},
+    "gems.cli": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
+                        "gems.partition", "gems.train", "gems.bench"},
 }
 # The planner may use the pipeline's pure parts only (never the executor or the engine).
 PARTITION_MAY_USE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",

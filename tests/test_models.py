@@ -137,9 +137,6 @@ def with_classes(num_classes=1000, hidden=4):
 def without_classes(hidden=4):
     return nn.Sequential(nn.Flatten(1), nn.Linear(12, hidden))
 
-def not_sequential(num_classes=1000):
-    return nn.Linear(12, num_classes)
-
 NOT_CALLABLE = 3
 """
 
@@ -168,8 +165,6 @@ def test_user_factory_from_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec, kw, message", [
-    ("{file}:not_sequential", {}, "must return an nn.Sequential whose elements are the units gems may cut "
-                                  "between; got Linear"),
     ("{file}:missing", {}, "has no 'missing'; define def missing"),
     ("{file}:NOT_CALLABLE", {}, "not a function"),
     ("{file}:with_classes", {"depth": 3}, "does not accept depth"),

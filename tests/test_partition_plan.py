@@ -165,7 +165,10 @@ def test_bad_input_names_the_fix(kwargs, message):
 
 
 def test_bad_model():
-    with pytest.raises(GemsError, match="nn.Sequential"):
-        plan(nn.Linear(2, 2), (2,), 2, 1)
+    with pytest.raises(GemsError, match="the model must be an nn.Module, got function"):
+        plan(lambda x: x, (2,), 2, 1)
+    assert plan(nn.Linear(2, 2), (2,), 2, 1, schedule="mp").unit_names == ["linear"]   # any module plans
+    with pytest.raises(GemsError, match="has 1 units, so it cannot be cut into 2 stages"):
+        plan(nn.Linear(2, 2), (2,), 2, 2, schedule="mp")
     with pytest.raises(GemsError, match="cannot take 3x4x4 input"):
         plan(build("resnet18", num_classes=10), (3, 4, 4), 2, 2)

@@ -33,7 +33,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 def dataclass_parser(prog: str, description: str, config: type) -> argparse.ArgumentParser:
     """A parser with one flag per field of the ``config`` dataclass (``batch_size`` ->
     ``--batch-size``): type, default, choices and help come from the field (see gems.train.config.opt);
-    booleans get ``--x/--no-x``."""
+    booleans get ``--x/--no-x``; ``tuple[str, ...]`` fields are repeatable flags."""
     p = parser(prog, description)
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
@@ -43,10 +43,21 @@ def dataclass_parser(prog: str, description: str, config: type) -> argparse.Argu
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
+        if typing.get_origin(kind) is tuple:   # tuple[str, ...]: a repeatable flag, values in order
+            p.add_argument(flag, action=_Collect, default=default, metavar=f.metadata.get("metavar"),
+                           help=f.metadata["help"] + " (repeatable)")
+            continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         p.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"])
     return p
+
+
+class _Collect(argparse.Action):
+    """Appends each occurrence of a repeatable flag to the tuple collected so far."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
 
 
 def checked(convert: Callable[[str], object]) -> Callable[[str], object]:

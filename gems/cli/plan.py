@@ -3,6 +3,7 @@
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --schedule mast
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 40GiB
     gems-plan --model my_net.py:build --image-size 1024x768 --stages 3 --balance 4,6,5 --json plan.json
+    gems-plan --model timm:convnext_small --model-arg drop_path_rate=0.1 --image-size 2048 --stages 4
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 16GiB \
               --recompute auto --offload auto
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 80GiB \
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
-from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS
+from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, model_kwargs
 from gems.errors import GemsError
 from gems.units import format_size, parse_size
 
@@ -74,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     from gems.pipeline.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
-    p.add_argument("--model", required=True,
-                   help="a gems.models name (e.g. resnet101, preact-resnet1001, amoebanet-d) or file.py:factory")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help=MODEL_ARG_HELP)
     p.add_argument("--image-size", required=True, type=checked(image_size), metavar="N|HxW",
                    help="input image size: N means 3xNxN")
     p.add_argument("--channels", type=checked(positive), default=3, help="image channels")
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
     p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
                    help="units per stage, instead of solving")
+    p.add_argument("--split-points", type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+                   metavar="PATH,...", help="module paths where stages 2, 3, ... begin (e.g. encoder.layer3,"
+                                            "decoder.blocks.1), instead of solving")
+    p.add_argument("--leaf-module", action="append", default=[], metavar="NAME",
+                   help="a module path or class name traced as one unit, never cut inside (repeatable)")
     p.add_argument("--memory-budget", type=checked(parse_size), metavar="SIZE",
                    help="memory per device, e.g. 40GiB (binary) or 40GB (decimal)")
     p.add_argument("--recompute", default="none", choices=MODES,
@@ -166,15 +172,16 @@ def _plan(args: argparse.Namespace) -> None:
 
     if args.stages is None and not args.sweep:
         raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
+    kwargs = model_kwargs(args.model_arg)
     _speeds(args)
     if args.measure_time:
-        model = build(args.model, num_classes=args.num_classes)
+        model = build(args.model, num_classes=args.num_classes, **kwargs)
     else:
         try:
             with torch.device("meta"):   # only shapes are needed: build without allocating weights
-                model = build(args.model, num_classes=args.num_classes)
+                model = build(args.model, num_classes=args.num_classes, **kwargs)
         except (RuntimeError, NotImplementedError):   # a factory that must touch real weights
-            model = build(args.model, num_classes=args.num_classes)
+            model = build(args.model, num_classes=args.num_classes, **kwargs)
     height, width = args.image_size
     shape = (args.channels, height, width)
     if args.batch_size * args.channels * height * width > MAX_INPUT_ELEMENTS:
@@ -185,14 +192,14 @@ def _plan(args: argparse.Namespace) -> None:
                    balance=args.balance, optimizer=args.optimizer, dtype=args.dtype, groups=args.groups,
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
-                   efficiency=args.efficiency, amp=args.amp, comm=args.comm,
-                   profiles={})   # each micro-batch size profiled once
+                   efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
+                   leaf_modules=args.leaf_module, profiles={})   # each micro-batch size profiled once
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return
     if args.measure_time:
         # Check the input on fake tensors first, so that a bad size fails cleanly, not mid-timing.
-        plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None})
+        plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None, "split_points": None})
         micro_batch = args.batch_size // (args.groups * replicas(args.schedule) * args.micro_batches)
         options["unit_times"] = measure_times(model, shape, micro_batch, dtype=getattr(torch, args.dtype))
     result = plan(model, shape, **options)
@@ -245,7 +252,7 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
     def costs_for(name: str, K: int, m: int, D: int):
         try:
             p = plan(model, shape, **{**options, "stages": K, "schedule": name, "micro_batches": m, "groups": D,
-                                      "balance": None})
+                                      "balance": None, "split_points": None})
         except GemsError:          # the batch does not split, more stages than units, nothing fits
             return None
         plans[name, K, m] = p

@@ -8,6 +8,11 @@ Several groups (D = ranks / K data-parallel pipelines)::
 
     mpiexec -n 8 gems-train --model resnet101 --image-size 2048 --batch-size 8 --stages 4 --steps 100
 
+A library's model, fine-tuned from its published weights with a new head::
+
+    mpiexec -n 2 gems-train --model timm:convnext_small --model-arg drop_path_rate=0.1 \
+        --init-from convnext_small.safetensors --init-exclude 'head.fc.*' --num-classes 5 ...
+
 Slurm: ``srun --mpi=pmi2 gems-train ...`` (see jobs/README.md). Exit statuses: 0 done,
 1 failure, 2 bad input, 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint.
 """

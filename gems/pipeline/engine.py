@@ -1,8 +1,9 @@
 """The engine: trains a plan's stages on this rank, a thin facade over the pipeline's parts.
 
-Every rank builds the whole ``nn.Sequential``, keeps the stages its position holds
-(``model[lo:hi]`` keeps the original unit names, so stage state dicts use the model's own
-keys) and executes ``schedule(plan.schedule, K, m)[position]`` each step. The parts, each in
+Every rank builds the whole model, turns it into the plan's chain of units (an
+``nn.Sequential`` as it is; any other module through ``gems.graph.graph_units``, at the plan's
+micro-batch shape), keeps the stages its position holds (``units[lo:hi]``; their state dicts
+map back to the model's own keys) and executes ``schedule(plan.schedule, K, m)[position]`` each step. The parts, each in
 a module of its own:
 
     MicroBatches  (batches)   rows of the global batch per group, replica, micro-batch; loss scale
@@ -27,8 +28,10 @@ from torch import nn
 
 from gems import comm as comm_lib
 from gems.errors import GemsError
+from gems.graph import GraphUnits, check_tied, graph_units
 from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
+from gems.pipeline.batchnorm import check_mode
 from gems.pipeline.executor import Executor
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.ir import describe_action
@@ -44,7 +47,7 @@ class Engine:
     """Trains ``model`` cut as ``plan`` says, on the ranks of the launch.
 
     Args:
-        model: the full ``nn.Sequential`` (built identically on every rank; parameters are
+        model: the full model, any ``nn.Module`` (built identically on every rank; parameters are
             broadcast within each sync group anyway, so copies start equal).
         plan: a ``gems.plan.Plan`` (cut points, schedule, K, m, boundary shapes, policies).
         optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters.
@@ -59,21 +62,26 @@ class Engine:
         clip_grad_norm: scale gradients so their global L2 norm (all stages) is at most this.
         autocast: run stage forwards under ``torch.autocast`` with this dtype (e.g. bfloat16);
             boundaries still travel in the plan's dtypes.
+        batch_norm: what BatchNorm layers do with micro-batches: ``"micro-batch"`` (PyTorch's
+            behaviour per micro-batch), ``"deferred"`` (running statistics of the whole global
+            batch, once per step) or ``"frozen"`` (eval mode); see ``gems.pipeline.batchnorm``.
 
     A step whose loss is not finite is never applied: the optimizer is skipped, the step
     leaves no trace in the model's buffers and ``last_step_applied`` is False, so the caller
     decides whether to stop or go on.
     """
 
-    def __init__(self, model: nn.Sequential, plan, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    def __init__(self, model: nn.Module, plan, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  loss_fn: Callable, comm="mpi", device: torch.device | str | None = None,
                  timeout: float = 300.0, prefetch: int = 2, clip_grad_norm: float | None = None,
-                 autocast: torch.dtype | None = None) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise GemsError(f"Engine needs an nn.Sequential model, got {type(model).__name__}")
-        if plan.cuts[-1] != len(model):
-            raise GemsError(f"the plan cuts {plan.cuts[-1]} units but the model has {len(model)}: "
-                            "make the plan from this model")
+                 autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
+        check_mode(batch_norm)
+        if not isinstance(model, nn.Sequential):   # any nn.Module: the plan's chain of units
+            model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
+        if plan.cuts[-1] != len(model) or getattr(model, "unit_names", plan.unit_names) != plan.unit_names:
+            raise GemsError(f"the plan was made for {plan.cuts[-1]} units that the model does not have (it has "
+                            f"{len(model)}): make the plan from this model, at this image size and batch")
+        check_tied(model, plan.cuts)
         plan.check()   # one policy per stage, segments inside their stage
         if isinstance(comm, str):
             comm = comm_lib.create(comm, device=device, timeout=timeout)
@@ -89,7 +97,9 @@ class Engine:
         self.actions = lists[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
-        model_keys = list(model.state_dict().keys())
+        graph = isinstance(model, GraphUnits)
+        model_keys = model.model_keys if graph else list(model.state_dict())
+        key, extras = (model.model_key, model.extras) if graph else (str, {})
         self.stages: dict[int, nn.Sequential] = {
             s: model[plan.cuts[s]:plan.cuts[s + 1]].to(self.device) for s in self.topology.holds(self.position)}
         # One pool of host buffers for all the stages this rank offloads, bounded by what the
@@ -98,7 +108,7 @@ class Engine:
                                   pin=self.device.type == "cuda")
         runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
-        self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm)
+        self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm)
         self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])
         self.grads.keep_grads_in_bucket(self.optimizer)
         messenger = Messenger(comm, self.topology, lists, self.position, plan.stage_output_shapes,
@@ -107,7 +117,7 @@ class Engine:
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,
                                  self.grads, loss_fn, autocast, self.device)
         self.executor.optimizer = self.optimizer
-        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys)
+        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras)
 
     @property
     def needs_images(self) -> bool:

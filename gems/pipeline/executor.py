@@ -84,8 +84,13 @@ class Executor:
                 if t.is_floating_point():
                     t.requires_grad_(True)
         key = _key(a)
+        runner = self.runners[a.stage]
+        # A received tensor is a leaf; a unit that writes one in place (ReLU(inplace=True) first
+        # thing in a stage) gets a copy, through which the gradient still reaches the leaf.
+        given = tuple(t.clone() if i in runner.inplace_inputs else t for i, t in enumerate(inputs)) \
+            if a.stage > 0 else inputs
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            out = self.runners[a.stage].forward(inputs, key, key in self.waiting)
+            out = runner.forward(given, key, key in self.waiting)
         if a.stage == self.last_stage:
             labels = self._labels[rows].to(self.device, non_blocking=True)
             loss = self.loss_fn(unpack(out), labels) * self.batches.loss_scale

@@ -4,13 +4,16 @@ One allreduce of one flat bucket per rank and step, over its sync group (the mir
 ``mast``, the same position across groups otherwise; ``Topology.sync_group``). The bucket holds
 every gradient of the stages this rank holds -- ``param.grad`` are views of it, so backward
 accumulates straight into it -- then a copy of their floating buffers (BatchNorm running
-statistics), which the same call averages, so all copies of a stage stay identical.
+statistics), which the same call averages, so all copies of a stage stay identical. BatchNorm
+statistics that the mode keeps identical itself stay out of it: under ``batch_norm="deferred"``
+a second, float64 allreduce over the same group adds the step's Σx, Σx² and counts, from which
+every copy then writes the same running statistics (``gems.pipeline.batchnorm``).
 
 A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
 gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
 stage). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
 skipped and every buffer (statistics and counters such as ``num_batches_tracked``) goes back
-to its value before the step.
+to its value before the step; deferred BatchNorm sums are dropped unwritten.
 """
 from __future__ import annotations
 
@@ -20,23 +23,27 @@ import torch
 from torch import nn
 
 from gems.errors import GemsError
+from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.topology import Topology
 
 
 class GradSync:
     """Creates the sync groups (COLLECTIVE), makes every copy of a stage start equal, and owns
-    the gradient bucket of the stages in ``stages`` ({stage: module} this rank holds)."""
+    the gradient bucket of the stages in ``stages`` ({stage: module} this rank holds) and their
+    BatchNorm layers under ``batch_norm`` (a ``gems.pipeline.batchnorm.MODES`` name)."""
 
     def __init__(self, comm, topology: Topology, stages: dict[int, nn.Module], device: torch.device,
-                 clip_grad_norm: float | None) -> None:
+                 clip_grad_norm: float | None, batch_norm: str = "micro-batch") -> None:
         self.comm, self.topology, self.stages = comm, topology, stages
         self.group, self.position = topology.coords(comm.rank)
         self.clip_grad_norm = clip_grad_norm
         self.group_comm = self._sync_group()
         self._make_identical()
+        self.batch_norms = BatchNorms(stages.values(), batch_norm, device)
+        kept = {id(b) for b in self.batch_norms.kept_buffers}
         params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
         buffers = [b for s in stages.values() for b in s.buffers()]
-        self._stats_buffers = [b for b in buffers if b.is_floating_point()]
+        self._stats_buffers = [b for b in buffers if b.is_floating_point() and id(b) not in kept]
         self._counters = [b for b in buffers if not b.is_floating_point()]
         dtypes = {t.dtype for t in params} | {b.dtype for b in self._stats_buffers}
         if len(dtypes) > 1:
@@ -107,14 +114,15 @@ class GradSync:
         """Check that the gradients live in the bucket (re-attaching any set to None) and remember
         the buffers (restored if the step turns out not finite). Communicates nothing."""
         self._attach()
+        self.batch_norms.begin_step()
         if self._stats_buffers:
             torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats_before)
         for c, before in zip(self._counters, self._counters_before):
             before.copy_(c)
 
     def sync(self, loss: torch.Tensor) -> float:
-        """Sum gradients and average statistics over the sync group; sum ``loss`` (this rank's
-        share of the global mean) over the world. Returns the global loss."""
+        """Sum gradients and deferred BatchNorm sums and average statistics over the sync group;
+        sum ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
         if self.group_comm is not None:
             if self._stats_buffers:
                 torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats)
@@ -122,6 +130,7 @@ class GradSync:
             if self._stats_buffers:
                 self._stats /= self.group_comm.size
                 self._scatter(self._stats)
+        self.batch_norms.sync(self.comm, self.group_comm)
         self._scalars[0] = loss.reshape(())
         self._scalars[1] = 0.0
         if self.clip_grad_norm is not None and self.group == 0:
@@ -141,9 +150,9 @@ class GradSync:
 
     @torch.no_grad()
     def apply(self, optimizer: torch.optim.Optimizer) -> bool:
-        """The optimizer step (after clipping), unless the loss is not finite: then the buffers
-        go back to their values before the step. Gradients are zeroed either way. Returns
-        whether the step was applied."""
+        """The optimizer step (after clipping) and the deferred BatchNorm update, unless the loss
+        is not finite: then the buffers go back to their values before the step. Gradients are
+        zeroed either way. Returns whether the step was applied."""
         applied = bool(torch.isfinite(self._scalars[0]))
         if not applied:
             self._scatter(self._stats_before)
@@ -156,5 +165,6 @@ class GradSync:
                 if scale < 1.0:
                     self.grads.mul_(scale)
             optimizer.step()
+            self.batch_norms.update()
         self.grads.zero_()
         return applied

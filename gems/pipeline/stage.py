@@ -76,6 +76,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gems.errors import GemsError
+from gems.graph import INPLACE_INPUTS
 from gems.pipeline.offload import HostPool, _Offload
 from gems.plan import StagePolicy
 
@@ -129,6 +130,10 @@ class StageRunner:
     def __init__(self, module: nn.Sequential, first_unit: int, policy: StagePolicy,
                  device: torch.device, pool: HostPool | None = None) -> None:
         self.module, self.policy = module, policy
+        # positions of the stage's inputs some unit writes in place (gems.graph marks a traced
+        # model's units; a plain nn.Sequential's units declare none)
+        meta = getattr(module[0], "meta", {}) if len(module) else {}
+        self.inplace_inputs = frozenset(meta.get(INPLACE_INPUTS, ()))
         self._pieces = {waiting: _pieces(module, first_unit,
                                          checkpointed_segments(policy, waiting, first_unit + len(module)))
                         for waiting in (True, False)}

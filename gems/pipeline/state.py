@@ -8,6 +8,7 @@ loads under any other.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,16 +23,23 @@ class StageState:
     (group 0's), ``model_keys``: the full model's state-dict keys in order."""
 
     def __init__(self, comm, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
-                 copy_holder: bool, model_keys: list[str]) -> None:
+                 copy_holder: bool, model_keys: list[str], key: Callable[[str], str] = str,
+                 extras: dict[str, torch.Tensor] | None = None) -> None:
         self.comm, self.stages, self.optimizer = comm, stages, optimizer
         self.copy_holder, self._order = copy_holder, {k: i for i, k in enumerate(model_keys)}
+        self.key = key              # a stage's state-dict key -> the model's (gems.graph.GraphUnits)
+        self.extras = extras or {}  # model state no unit uses (e.g. an unused head): kept as loaded
+
+    def _own(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """A stage's state, keyed by the model's names (a tensor two units share appears once)."""
+        return {self.key(k): v for k, v in module.state_dict().items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict (keys as ``model.state_dict()``), on every rank. COLLECTIVE."""
-        mine = {}
+        mine = {k: v.detach().cpu().clone() for k, v in self.extras.items()} if self.comm.rank == 0 else {}
         if self.copy_holder:
             for s in self.stages.values():
-                mine.update({k: v.detach().cpu().clone() for k, v in s.state_dict().items()})
+                mine.update({k: v.detach().cpu().clone() for k, v in self._own(s).items()})
         full: dict[str, torch.Tensor] = {}
         for part in self.comm.allgather_object(mine):
             full.update(part)
@@ -39,18 +47,19 @@ class StageState:
 
     def _opt_names(self) -> list[str]:
         """Parameter names in the optimizer's own index order."""
-        name_of = {id(p): n for s in self.stages.values() for n, p in s.named_parameters()}
+        name_of = {id(p): self.key(n) for s in self.stages.values() for n, p in s.named_parameters()}
         return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def stage_state(self, stage: int) -> dict:
         """Everything a checkpoint shard keeps for one stage this rank holds: model tensors
         and optimizer state keyed by the model's own names (so any partition can load it)."""
         module = self.stages[stage]
-        own = {n for n, _ in module.named_parameters()}
+        own = {self.key(n) for n, _ in module.named_parameters()}
         opt = self.optimizer.state_dict()
         names = self._opt_names()
+        extras = self.extras if stage == 0 else {}   # stage 0's shard carries them
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+            "model": {k: v.detach().cpu().clone() for k, v in {**extras, **self._own(module)}.items()},
             "optimizer": {names[i]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
                                      for k, v in st.items()}
                           for i, st in opt["state"].items() if names[i] in own},
@@ -61,13 +70,13 @@ class StageState:
                    param_groups: list[dict] | None = None) -> None:
         """Load full-model state (from any partition): each rank takes its stages' entries."""
         for module in self.stages.values():
-            keys = module.state_dict().keys()
-            missing = [k for k in keys if k not in model]
+            missing = [k for k in self._own(module) if k not in model]
             if missing:
                 raise GemsError(f"the checkpoint lacks {missing[0]} (and {len(missing) - 1} more): "
                                 "it was saved from a different model")
         for module in self.stages.values():
-            module.load_state_dict({k: model[k] for k in module.state_dict().keys()})
+            module.load_state_dict({k: model[self.key(k)] for k in module.state_dict().keys()})
+        self.extras = {k: model.get(k, v) for k, v in self.extras.items()}
         if optimizer is None:
             return
         current = self.optimizer.state_dict()

@@ -6,8 +6,11 @@ Every field carries its help text; ``gems.cli.train`` turns the fields into flag
 """
 from __future__ import annotations
 
+import ast
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gems.errors import GemsError
 
@@ -25,10 +28,45 @@ def opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+MODEL_HELP = ("a gems.models name (resnet50, preact-resnet1001, amoebanet-d, ...), torchvision:NAME, timm:NAME, "
+              "smp:ARCH:ENCODER, path/file.py:factory or package.module:factory")
+MODEL_ARG_HELP = ("a keyword argument for the model's builder, KEY=VALUE (repeatable); VALUE is read as a Python "
+                  "literal (3, 0.1, True, None, (1, 2)) when it is one, else as text")
+
+
+def model_kwargs(pairs: Iterable[str]) -> dict[str, Any]:
+    """``--model-arg`` values (``"drop_path_rate=0.1"``) as builder keyword arguments. A value is
+    a Python literal where it parses as one, so numbers, booleans, None and tuples need no
+    per-model type table; anything else (``act_layer=gelu``) stays a string."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise GemsError(f"--model-arg {pair!r} must be KEY=VALUE with a Python name as KEY, e.g. "
+                            "--model-arg drop_path_rate=0.1")
+        if key == "num_classes":
+            raise GemsError("set the number of classes with --num-classes, not --model-arg num_classes=...")
+        if key in kwargs:
+            raise GemsError(f"--model-arg {key} is given twice; keep one")
+        value = text.strip()
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):   # not a literal: text
+            kwargs[key] = value
+    return kwargs
+
+
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = opt("resnet18", "registry name (gems-plan --help lists them) or path/file.py:factory")
+    model: str = opt("resnet18", MODEL_HELP)
+    model_arg: tuple[str, ...] = opt((), MODEL_ARG_HELP, metavar="KEY=VALUE")
+    init_from: str | None = opt(None, "start from the state dict in this file (.pt, .pth or .safetensors), loaded "
+                                "strictly into the model before training; mismatching keys stop the job")
+    init_exclude: tuple[str, ...] = opt((), "with --init-from: keys matching this glob keep their initial values, "
+                                        "e.g. 'fc.*' for a classifier head of another size (repeatable)",
+                                        metavar="GLOB")
     num_classes: int = opt(10, "classes of the classifier head (a folder dataset sets its own)")
     image_size: int = opt(2048, "side of the square input images, in pixels")
     # how to split it
@@ -39,6 +77,10 @@ class TrainConfig:
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
+    split_points: str | None = opt(None, "module paths where stages 2, 3, ... begin, comma-separated, e.g. "
+                                   "encoder.layer3,decoder.blocks.1 (instead of the partitioner)")
+    leaf_module: tuple[str, ...] = opt((), "a module path or class name traced as one unit, never cut inside "
+                                       "(e.g. a module whose forward branches on data)", metavar="NAME")
     memory_budget: str | None = opt(None, "per-device memory budget, e.g. 40GiB")
     enforce_memory_budget: bool = opt(False, "make the plan's budget a hard limit per rank (CPU: RLIMIT_DATA "
                                       "above the start-up memory; CUDA: the caching allocator's cap), so "
@@ -63,6 +105,10 @@ class TrainConfig:
     clip_grad_norm: float | None = opt(None, "clip the global gradient L2 norm to this value")
     amp: str = opt("none", "mixed precision: run forwards in bfloat16", choices=("none", "bf16"))
     skip_nonfinite: bool = opt(False, "skip a step whose loss is not finite instead of stopping")
+    batch_norm: str = opt("micro-batch", "BatchNorm in training: micro-batch (PyTorch's behaviour on each "
+                          "micro-batch), deferred (running statistics of the whole global batch, updated once "
+                          "per step) or frozen (eval mode, for fine-tuning)",
+                          choices=("micro-batch", "deferred", "frozen"))
     # runtime
     comm: str = opt("mpi", "communication backend", choices=("mpi", "torch"))
     allow_shared_gpu: bool = opt(False, "let several ranks of a node share a GPU when it has more ranks than "
@@ -94,6 +140,9 @@ class TrainConfig:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
             raise GemsError("--steps and --epochs must be at least 1")
+        model_kwargs(self.model_arg)
+        if self.init_exclude and not self.init_from:
+            raise GemsError("--init-exclude needs --init-from, the file whose other keys are loaded")
         if self.resume and not self.checkpoint_dir:
             raise GemsError("--resume needs --checkpoint-dir to find the checkpoint in")
         if (self.checkpoint_every or self.keep_checkpoints) and not self.checkpoint_dir:

@@ -45,6 +45,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "policies": ("plan's memory policies", "give every rank the same --plan file, --recompute and --offload"),
     "boundaries": ("stage boundary shapes and dtypes", "give every rank the same --plan file and --image-size"),
     "precision": ("mixed precision", "give every rank the same --amp"),
+    "batch_norm": ("BatchNorm mode", "give every rank the same --batch-norm"),
     "optimizer": ("optimizer settings", "give every rank the same --optimizer, --lr, --momentum, "
                   "--weight-decay, --warmup-steps, --lr-schedule, --clip-grad-norm and --skip-nonfinite"),
     "data": ("data", "give every rank the same --data (the same files on every node) and --seed"),
@@ -110,6 +111,7 @@ def training(job) -> dict[str, object]:
         "policies": [asdict(p) for p in plan.policies],
         "boundaries": _digest(plan.stage_output_shapes, plan.stage_output_dtypes),
         "precision": cfg.amp,
+        "batch_norm": cfg.batch_norm,
         "optimizer": {k: getattr(cfg, k) for k in ("optimizer", "lr", "momentum", "weight_decay", "warmup_steps",
                                                   "lr_schedule", "clip_grad_norm", "skip_nonfinite")},
         "data": {"source": "synthetic" if classes is None else "folder", "samples": data.num_samples,

@@ -21,7 +21,7 @@ from gems import models, partition
 from gems.obs import memory
 from gems.train import checkpoint
 from gems.pipeline import schedule as sch
-from gems.train.config import TrainConfig
+from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData
 from gems.errors import GemsError
 from gems.train.metrics import Metrics
@@ -83,7 +83,8 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           balance_by=cfg.balance_by, balance=balance, optimizer=cfg.optimizer,
                           memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
-                          device=device, amp=cfg.amp, comm=cfg.comm)
+                          device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
+                          split_points=cfg.split_points.split(",") if cfg.split_points else None)
 
 
 def _names(names: list[str]) -> str:
@@ -176,7 +177,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                      num_classes=cfg.num_classes if cfg.data == "synthetic" else None, seed=cfg.seed,
                      workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, num_classes=data.num_classes)
+    model = models.build(cfg.model, num_classes=data.num_classes, **model_kwargs(cfg.model_arg))
+    if cfg.init_from:   # every rank reads the same file, so all start from the same weights
+        models.load_initial_state(model, cfg.init_from, cfg.init_exclude)
     plan = make_plan(cfg, model, topo.groups, comm.device.type)
     if plan.fits is False:
         worst = max(plan.positions, key=lambda p: p.peak_bytes)
@@ -221,7 +224,7 @@ def run(job: Job) -> int:
     from gems.pipeline.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
     engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=nn.CrossEntropyLoss(), comm=comm,
                     timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
-                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None)
+                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, batch_norm=cfg.batch_norm)
     job.model = None  # the engine keeps only this rank's stages
     start = 0
     if job.resume_state is not None:
