@@ -120,9 +120,9 @@ DEFAULT = [  # longest chains first: layouts start in this order, LANES at a tim
     *chains(Layout("mast", 2, 2), [F("allreduce", 0), F("recv", 1, where="replica=1"), F("save", 0, 3)]),
     *chains(Layout("mp", 2, 2, workers=1), [F("forward", 1), F("backward", 0), F("send", 0)]),
     *chains(Layout("gpipe", 2, 2, 2), [F("recv", 0), F("step", 1), F("save", 0)]),
-    *chains(Layout("1f1b", 2, 2, 2), [F("backward", 1, 2), F("forward", 0, 2), F("send", 1, 2)]),
-    *chains(Layout("gpipe", 4, 2, workers=1), [F("allreduce", 3), F("save", 2), F("step", 1)]),
-    *chains(Layout("mast", 2, 2, comm="torch"), [F("allreduce", 1), F("send", 0)]),
+    *chains(Layout("1f1b", 2, 2, 2), [F("backward", 1, 2), F("forward", 0, 2), F("step", 0)]),
+    *chains(Layout("gpipe", 4, 2, workers=1), [F("allreduce", 3), F("step", 1)]),
+    *chains(Layout("mast", 2, 2, comm="torch"), [F("send", 0)]),
 ]
 
 
@@ -316,3 +316,12 @@ def test_a_killed_rank_ends_the_job_and_the_run_resumes_bit_for_bit(trial, outco
     assert trial.step in [s for s, _ in replay.losses], replay.tail()
     for s, loss in killed.losses + replay.losses:
         assert loss == reference[s], (s, loss, reference[s])
+
+
+def test_the_default_trials_cover_every_kind_in_two_schedules_both_backends_and_four_ranks():
+    kinds = {"forward", "backward", "recv", "send", "allreduce", "step", "save"}
+    for kind in kinds:
+        schedules = {t.layout.schedule for t in DEFAULT if t.fault.at == kind}
+        assert len(schedules) >= 2, (kind, schedules)
+    assert {t.layout.comm for t in DEFAULT} == {"mpi", "torch"}
+    assert {t.layout.ranks for t in DEFAULT} == {2, 4} and set(sch.SCHEDULES) <= {t.layout.schedule for t in DEFAULT}
