@@ -282,11 +282,10 @@ def _split(gm: fx.GraphModule, values: dict[fx.Node, object], model: nn.Module) 
     written = {n for n in [*inputs, *body] if any(_writes_in_place(gm, u, n) for u in n.users)}
     units, names, live_in = [], [], [inputs[0]]
     for k, group in enumerate(groups):
+        last = k + 1 == len(groups)   # the last unit returns the model's output instead
         end = position[group[-1]]
-        live_out = [n for n in [*live_in, *group] if last_use[n] > end and (k + 1 < len(groups))]
-        if k + 1 == len(groups):
-            live_out = []
-        units.append(_unit(gm, group, live_in, live_out, output if k + 1 == len(groups) else None, static))
+        live_out = [] if last else [n for n in [*live_in, *group] if last_use[n] > end]
+        units.append(_unit(gm, group, live_in, live_out, output if last else None, static))
         units[-1].meta[INPLACE_INPUTS] = tuple(i for i, n in enumerate(live_in) if n in written)
         names.append(_name(group))
         live_in = live_out
