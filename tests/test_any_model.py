@@ -207,3 +207,28 @@ def test_an_untraceable_forward_is_one_sentence_naming_the_line():
     assert "if x.sum() > 0" in message and "leaf_modules" in message
     units = graph_units(Holder(), (3, 8, 8), batch=1, leaf_modules=[DataDependent])   # the fix works
     assert units.unit_names == ["stem", "inner"]
+
+
+class WithOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x, scale=2.0, mask=None):
+        y = self.conv(x) * scale
+        return y if mask is None else y * mask
+
+
+class NeedsTwo(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def test_other_forward_arguments_take_their_defaults():
+    model = WithOptions()
+    units = graph_units(model, (3, 4, 4), batch=2)
+    x = torch.randn(2, 3, 4, 4)
+    assert units.unit_names == ["conv", "mul"] and torch.allclose(units(x), model(x))
+    with pytest.raises(GemsError, match="NeedsTwo.forward needs y besides the image batch; .* give the other "
+                                        "arguments defaults"):
+        graph_units(NeedsTwo(), (3, 4, 4), batch=1)
