@@ -111,13 +111,14 @@ def host_moments(actions: list[ir.Action]) -> list[tuple[int | None, dict[int, i
     before their backward begins (``gems.pipeline.schedule.prefetch_points``)."""
     def key(a: ir.Action) -> tuple[int, int, int]:
         return a.replica, a.micro, a.stage
-    compute = [a for a in actions if a.op in ir.COMPUTE]
     waiting = {key(a) for a in schedules.waiting_forwards(actions)}
+    leaving = schedules.prefetch_points(actions)   # index -> the backward prefetched as it begins
     held: set[tuple[int, int, int]] = set()
     seen: list[tuple[int | None, dict[int, int]]] = []
-    for a, after in zip(compute, compute[1:] + [None]):
-        if after is not None and after.op == ir.BACKWARD:
-            held.discard(key(after))
+    for i, a in enumerate(actions):
+        if a.op not in ir.COMPUTE:
+            continue
+        held.discard(leaving.get(i))
         filling = a.stage if a.op == ir.FORWARD and key(a) in waiting else None
         moment = (filling, dict(sorted(Counter(k[2] for k in held).items())))
         if moment not in seen:

@@ -3,8 +3,8 @@
 Every rank builds the whole model, turns it into the plan's chain of units (an
 ``nn.Sequential`` as it is; any other module through ``gems.graph.graph_units``, at the plan's
 micro-batch shape), keeps the stages its position holds (``units[lo:hi]``; their state dicts
-map back to the model's own keys) and executes ``schedule(plan.schedule, K, m)[position]`` each step. The parts, each in
-a module of its own:
+map back to the model's own keys) and executes ``schedule(plan.schedule, K, m)[position]``
+each step. The parts, each in a module of its own:
 
     MicroBatches  (batches)   rows of the global batch per group, replica, micro-batch; loss scale
     StageRunner   (stage)     one stage's forward under its memory policy (recompute, offload)

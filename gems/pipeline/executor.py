@@ -87,8 +87,9 @@ class Executor:
         runner = self.runners[a.stage]
         # A received tensor is a leaf; a unit that writes one in place (ReLU(inplace=True) first
         # thing in a stage) gets a copy, through which the gradient still reaches the leaf.
-        given = tuple(t.clone() if i in runner.inplace_inputs else t for i, t in enumerate(inputs)) \
-            if a.stage > 0 else inputs
+        given = inputs
+        if a.stage > 0 and runner.inplace_inputs:
+            given = tuple(t.clone() if i in runner.inplace_inputs else t for i, t in enumerate(inputs))
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = runner.forward(given, key, key in self.waiting)
         if a.stage == self.last_stage:
