@@ -1,10 +1,8 @@
-"""Which rows of a global batch each group, replica and micro-batch takes, and the loss scale.
+"""Which rows of a global batch each group, replica and micro-batch takes.
 
 The global batch of B images is split D ways over groups, then, inside a group, into
-``replicas x m`` micro-batches of ``B / (D x replicas x m)`` images (replica-major). Each
-micro-batch's mean loss is scaled by its share of the global batch, ``rows / B``, so the
-gradients summed over every micro-batch and group are those of the mean loss over the global
-batch -- what one process computes.
+``replicas x m`` micro-batches of ``B / (D x replicas x m)`` images (replica-major). How their
+losses add up to the global batch's is ``gems.pipeline.loss``'s business.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ class MicroBatches:
                             f"{replicas} replicas x {m} micro-batches: use a multiple of {parts}")
         self.batch_size, self.groups, self.group, self.m, self.rank = batch_size, groups, group, m, rank
         self.rows_per_micro = batch_size // parts
-        self.loss_scale = self.rows_per_micro / batch_size   # micro-batch mean -> share of the global mean
 
     def shard(self, x: torch.Tensor | None, what: str, needed: bool) -> torch.Tensor | None:
         """This group's rows of ``x`` (the global batch or already this group's shard); None

@@ -33,7 +33,9 @@ from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
 from gems.pipeline.executor import Executor
+from gems.pipeline.forward import Forwards
 from gems.pipeline.gradsync import GradSync
+from gems.pipeline.loss import LossScores, as_sum_loss, reciprocal
 from gems.pipeline.ir import describe_action
 from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
@@ -52,7 +54,9 @@ class Engine:
         plan: a ``gems.plan.Plan`` (cut points, schedule, K, m, boundary shapes, policies).
         optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters.
             Its ``zero_grad()`` zeroes the gradient bucket in place (gradients live there).
-        loss_fn: ``(output, labels) -> scalar`` mean over the micro-batch (e.g. CrossEntropyLoss()).
+        loss_fn: a ``gems.pipeline.loss.SumLoss`` (sums and normalisers: exact for any loss, e.g.
+            ``gems.train.losses.make_loss``), or ``(output, labels) -> mean over the micro-batch``
+            (e.g. ``nn.CrossEntropyLoss()``; exact when every micro-batch's mean divides by its rows).
         comm: ``"mpi"`` (default), ``"torch"``, or a ready ``gems.comm.Comm``. Given a name, the
             engine also sets torch's CPU threads to this rank's share of the node's cores.
         device: where the stages run; default the communicator's (``cuda:<local rank>`` when
@@ -90,6 +94,8 @@ class Engine:
         self.device = comm.device if device is None else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.loss_fn = as_sum_loss(loss_fn)
+        self.autocast, self.prefetch = autocast, prefetch
         self.K, self.m = plan.stages, plan.micro_batches
         self.topology = Topology(comm.size, self.K, plan.schedule)
         self.group, self.position = self.topology.coords(comm.rank)
@@ -106,6 +112,7 @@ class Engine:
         # plan prices it at (gems.partition.costs.host_moments).
         self.host_pool = HostPool(plan.host_bytes[self.position] if plan.host_bytes else None,
                                   pin=self.device.type == "cuda")
+        self._forwards: dict[int, Forwards] = {}   # batch size -> forward-only steps
         runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm)
@@ -115,7 +122,7 @@ class Engine:
                               plan.stage_output_dtypes, batches.rows_per_micro, self.device, prefetch)
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,
-                                 self.grads, loss_fn, autocast, self.device)
+                                 self.grads, self.loss_fn, autocast, self.device)
         self.executor.optimizer = self.optimizer
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras)
 
@@ -166,16 +173,111 @@ class Engine:
         labels = batches.shard(labels, "labels", self.needs_labels)
         self.grads.begin_step()
         try:
+            self.executor.inverse = reciprocal(self._normalisers(labels, batches)).to(self.device)
             self.executor.run(images, labels)
         except Exception as exc:  # noqa: BLE001 - peers are mid-step: the job cannot go on
-            if is_out_of_memory(exc):
-                a = self.executor.current
-                where = describe_action(a) if a is not None else "posting the first receives"
-                oom = OutOfMemory(self.comm.rank, self.device.type.upper(), where, self.plan, self.position, exc)
-                oom.__cause__ = exc
-                exc = oom
-            self.comm.fail(exc)
+            self._fail(exc, self.executor.current)
         return self.executor.global_loss
+
+    def _normalisers(self, labels: torch.Tensor | None, batches: MicroBatches) -> torch.Tensor:
+        """The step's global loss normalisers (``gems.pipeline.loss``): each micro-batch's, counted
+        by the rank that computes its loss, summed over the world. COLLECTIVE."""
+        total = torch.zeros(self.loss_fn.terms, dtype=torch.float64)
+        for a in self.actions:
+            if a.op == sch.FORWARD and a.stage == self.K - 1:
+                total += self.loss_fn.normaliser(labels[batches.rows(a.replica, a.micro)]).reshape(-1)
+        total = total.to(self.device)
+        self.comm.allreduce(total, None, "the loss normaliser allreduce")
+        return total
+
+    def _fail(self, exc: BaseException, action) -> None:
+        """End the job on every rank with ``exc`` (an allocator's failure as ``OutOfMemory``)."""
+        if is_out_of_memory(exc):
+            where = describe_action(action) if action is not None else "posting the first receives"
+            oom = OutOfMemory(self.comm.rank, self.device.type.upper(), where, self.plan, self.position, exc)
+            oom.__cause__ = exc
+            exc = oom
+        self.comm.fail(exc)
+
+    def _forward_steps(self, batch_size: int | None) -> Forwards:
+        size = self.plan.batch_size if batch_size is None else batch_size
+        if size not in self._forwards:
+            self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self.position, self.group,
+                                            self.executor.runners, size, self.device, self.autocast,
+                                            self.prefetch)
+        return self._forwards[size]
+
+    def evaluate(self, batches: Iterable, scores=None, batch_size: int | None = None) -> dict:
+        """Forward-only pass over ``batches`` (``(images, targets)`` per global batch, or this group's
+        shard of it, as ``step`` takes them; the same number of batches on every rank) with the
+        mirrored replicas both running forwards (``gems.pipeline.forward``). ``scores`` accumulates
+        what the metrics need (``update(output, target)`` on the ranks that compute outputs, a
+        float64 ``state`` summed over the world at the end, ``compute(state) -> dict``; default:
+        the loss alone, ``LossScores``); returns ``scores.compute`` of the summed state on every
+        rank. ``batch_size``: rows of a global batch (default the plan's). Rows whose targets the
+        scores skip (``gems.train.targets.IGNORE``) may pad the last batch. COLLECTIVE."""
+        scores = LossScores(self.loss_fn) if scores is None else scores
+        forwards = self._forward_steps(batch_size)
+        for images, targets in batches:
+            images = forwards.batches.shard(images, "images", self.needs_images)
+            targets = forwards.batches.shard(targets, "targets", self.needs_labels)
+            try:
+                forwards.run(images, lambda r, j, rows, out: scores.update(out, targets[rows].to(self.device)))
+            except Exception as exc:  # noqa: BLE001 - peers are mid-step
+                self._fail(exc, forwards.current)
+        state = scores.state.to(self.device, torch.float64, copy=True)
+        self.comm.allreduce(state, None, "the evaluation allreduce")
+        return scores.compute(state.cpu())
+
+    def predict(self, images: torch.Tensor | None, batch_size: int | None = None) -> torch.Tensor | None:
+        """The model's output for this group's rows of ``images`` (the global batch or this group's
+        shard; ranks holding no first stage may pass None, then ``batch_size`` says the global
+        batch's rows), returned on the group's position-0 rank and None on the others. The
+        model is never gathered: the outputs computed on position K-1 travel to position 0
+        (outputs in the plan's dtype of the last stage's output). COLLECTIVE within the group."""
+        size = batch_size if batch_size is not None else (len(images) if images is not None else None)
+        if size is None:
+            raise GemsError(f"rank {self.comm.rank} got no images for predict: pass batch_size, the rows "
+                            "of the global batch")
+        forwards = self._forward_steps(size)
+        images = forwards.batches.shard(images, "images", self.needs_images)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        try:
+            forwards.run(images, lambda r, j, rows, out: outputs.__setitem__((r, j), out))
+            return self._gather_outputs(outputs, forwards.batches)
+        except Exception as exc:  # noqa: BLE001 - peers are mid-step
+            self._fail(exc, forwards.current)
+
+    def _gather_outputs(self, outputs: dict[tuple[int, int], torch.Tensor],
+                        batches: MicroBatches) -> torch.Tensor | None:
+        """Position 0 receives the outputs position K-1 computed and assembles the group's rows."""
+        last = self.K - 1
+        dtype = getattr(torch, self.plan.stage_output_dtypes[last][0])
+        tag = lambda r, j: 4 * self.m + r * self.m + j   # noqa: E731 - above every step tag (ir.Message.tag)
+        if self.position == last and self.position != 0:
+            to = self.topology.peer(self.comm.rank, 0)
+            requests = [self.comm.isend((out.to(dtype).contiguous(),), to, tag(r, j))
+                        for (r, j), out in sorted(outputs.items())]
+            for req in requests:
+                self.comm.wait(req, "sending outputs to position 0")
+            return None
+        if self.position != 0:
+            return None
+        shape = self.plan.stage_output_shapes[last][0]
+        result = torch.empty((batches.rows_per_micro * batches.m * sch.replicas(self.plan.schedule), *shape),
+                             dtype=dtype, device=self.device)
+        pending = []
+        for r in range(sch.replicas(self.plan.schedule)):
+            for j in range(self.m):
+                rows = batches.rows(r, j)
+                if (r, j) in outputs:
+                    result[rows] = outputs[(r, j)]
+                else:
+                    pending.append(self.comm.irecv((result[rows],), self.topology.peer(self.comm.rank, last),
+                                                   tag(r, j)))
+        for req in pending:
+            self.comm.wait(req, f"outputs from position {last}")
+        return result
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's actions as (label, start, end) seconds from the step's start

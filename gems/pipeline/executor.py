@@ -2,8 +2,8 @@
 
 - forward: the stage input is the data (stage 0) or a received message; received tensors get
   ``requires_grad`` so their gradient can be sent upstream; the stage runs under its memory
-  policy (``StageRunner``); on the last stage the loss is computed and scaled by the
-  micro-batch's share of the global batch (``MicroBatches.loss_scale``);
+  policy (``StageRunner``); on the last stage the loss's sums are divided by the step's global
+  normalisers (``inverse``, set by the engine before the step; ``gems.pipeline.loss``);
 - backward: autograd from the loss or from the received output gradient; the input gradient
   is kept for the send that follows. What its forward offloaded is prefetched as the compute
   action before it begins (``schedule.prefetch_points``), so the copy back runs beside that action;
@@ -13,13 +13,13 @@ Every action is timed (``ActionTimer``) for traces and gems-bench.
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
 from gems.pipeline import ir
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.gradsync import GradSync
+from gems.pipeline.loss import SumLoss
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.schedule import prefetch_points
 from gems.pipeline.stage import StageRunner, unpack
@@ -31,10 +31,11 @@ Key = tuple[int, int, int]   # (replica, micro-batch, stage)
 class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, grads: GradSync,
-                 loss_fn: Callable, autocast: torch.dtype | None, device: torch.device) -> None:
+                 loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
+        self.inverse = torch.ones(1, device=device)   # 1 / global normaliser per loss term
         self.timer = ActionTimer(device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.current: ir.Action | None = None   # the action running (for error reports)
@@ -94,7 +95,8 @@ class Executor:
             out = runner.forward(given, key, key in self.waiting)
         if a.stage == self.last_stage:
             labels = self._labels[rows].to(self.device, non_blocking=True)
-            loss = self.loss_fn(unpack(out), labels) * self.batches.loss_scale
+            terms = self.loss_fn(unpack(out), labels)
+            loss = (terms.reshape(-1) * self.inverse.to(terms.dtype)).sum()
             self.loss += loss.detach()
             out = (loss,)
         self._stash[key] = (inputs, out)

@@ -137,6 +137,17 @@ def schedule(name: str, K: int, m: int = 1) -> list[list[Action]]:
     return lists
 
 
+def forward_only(name: str, K: int, m: int = 1) -> list[list[Action]]:
+    """Per position, the forwards of one training step and their messages, in the same order
+    (no backward, no gradient, no sync or step): evaluation and prediction on the same ranks.
+    Under ``mast`` both mirrored replicas run forwards, so every position computes from the
+    start (K = 2, m = 1: ``F d.s0 | F u.s1`` on position 0, ``F u.s0 | F d.s1`` on position 1).
+    Dropping a step's backward half keeps its forwards' order, which cannot deadlock: a
+    forward's receive depends only on earlier forwards."""
+    keep = (RECV_ACT, FORWARD, SEND_ACT)
+    return [[a for a in actions if a.op in keep] for actions in schedule(name, K, m)]
+
+
 def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
     """{index of a compute action: (replica, micro, stage) of the backward whose offloaded
     tensors come back as it begins}: the next compute action, when that is a backward whose

@@ -1,0 +1,81 @@
+"""Forward-only steps on the training ranks: evaluation and prediction, nothing kept for backward.
+
+``schedule.forward_only`` keeps a training step's forwards and their messages, so under
+``mast`` both mirrored replicas compute from the first moment and a K = 2 pipeline runs two
+micro-batches at once on its two ranks. Each forward runs under ``torch.no_grad`` with the
+stages in eval mode (BatchNorm uses its running statistics, dropout is off; the modes are put
+back afterwards): nothing is saved for a backward and no memory policy applies, so a forward
+step needs the parameters, one micro-batch's working activations and its boundaries -- less
+than the training step the plan was priced for.
+
+The batch size is free (it need not be the plan's): the boundary shapes scale with the rows
+of a micro-batch, and one ``Forwards`` serves one batch size (the engine keeps one per size).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gems.pipeline import ir
+from gems.pipeline import schedule as sch
+from gems.pipeline.batches import MicroBatches
+from gems.pipeline.p2p import Messenger
+from gems.pipeline.stage import StageRunner, unpack
+from gems.pipeline.topology import Topology
+
+# sink(replica, micro, rows of the group's shard, output of the last stage)
+Sink = Callable[[int, int, slice, torch.Tensor], None]
+
+
+class Forwards:
+    """Runs the forward-only action list of one position for global batches of ``batch_size``."""
+
+    def __init__(self, comm, topology: Topology, plan, position: int, group: int,
+                 runners: dict[int, StageRunner], batch_size: int, device: torch.device,
+                 autocast: torch.dtype | None, prefetch: int) -> None:
+        self.runners, self.device, self.autocast = runners, device, autocast
+        self.last_stage = plan.stages - 1
+        lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches)
+        self.actions = lists[position]
+        self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
+                                    plan.micro_batches, comm.rank)
+        self.messenger = Messenger(comm, topology, lists, position, plan.stage_output_shapes,
+                                   plan.stage_output_dtypes, self.batches.rows_per_micro, device, prefetch)
+        self.current: ir.Action | None = None
+
+    @torch.no_grad()
+    def run(self, images: torch.Tensor | None, sink: Sink) -> None:
+        """One forward step on this group's ``images`` (None where this rank holds no first stage);
+        ``sink`` gets every last-stage output this rank computes."""
+        modules = [r.module for r in self.runners.values()]
+        modes = [[m.training for m in module.modules()] for module in modules]
+        for module in modules:
+            module.eval()
+        outputs: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        inbox: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        try:
+            self.messenger.begin_step()
+            for a in self.actions:
+                self.current = a
+                key = (a.replica, a.micro, a.stage)
+                if a.op == ir.RECV_ACT:
+                    inbox[key] = self.messenger.receive(a)
+                elif a.op == ir.SEND_ACT:
+                    self.messenger.send(a, outputs.pop(key))
+                else:
+                    rows = self.batches.rows(a.replica, a.micro)
+                    inputs = ((images[rows].to(self.device, non_blocking=True),) if a.stage == 0
+                              else inbox.pop(key))
+                    with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                        out = self.runners[a.stage].forward(inputs, key, waiting=False)
+                    if a.stage == self.last_stage:
+                        sink(a.replica, a.micro, rows, unpack(out))
+                    else:
+                        outputs[key] = out
+            self.messenger.finish_sends()
+            self.current = None
+        finally:
+            for module, flags in zip(modules, modes):
+                for m, flag in zip(module.modules(), flags):
+                    m.training = flag
