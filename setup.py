@@ -9,15 +9,17 @@ setup(
     python_requires=">=3.10",
     packages=["gems", "gems.cli", "gems.comm", "gems.graph", "gems.pipeline", "gems.obs", "gems.train", "gems.partition", "gems.models"],
     package_dir={"gems": "gems", "gems.partition": "partition", "gems.models": "models"},
-    install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm"],
+    install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm", "tifffile"],
     extras_require={
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).
         "mpich": ["mpich"],
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "matplotlib",
-                 "timm", "segmentation-models-pytorch", "safetensors"],
+                 "timm", "segmentation-models-pytorch", "safetensors", "tensorboard"],
         # --model timm:NAME / smp:ARCH:ENCODER, and --init-from FILE.safetensors
         "models": ["timm", "segmentation-models-pytorch", "safetensors"],
+        # --tensorboard DIR writes TensorBoard event files
+        "tensorboard": ["tensorboard"],
         # --trace-png draws timelines with matplotlib
         "plot": ["matplotlib"],
     },
@@ -25,8 +27,10 @@ setup(
         "console_scripts": [
             "gems-plan=gems.cli.plan:main",
             "gems-train=gems.cli.train:main",
+            "gems-predict=gems.cli.predict:main",
             "gems-export=gems.cli.export:main",
             "gems-bench=gems.cli.bench:main",
+            "gems-data=gems.cli.data:main",
         ],
     },
 )

@@ -18,7 +18,7 @@ thread count counts as grown when even the smallest of the last window's samples
 largest of the first window's, so a worker still shutting down is not a leak), or its throughput
 fell by more than ``--max-slowdown`` percent. ``--json`` keeps every sample.
 
-Known non-leaks in the figures: on CPU the last step runs under gems.train.metrics' PeakMeter (the
+Known non-leaks in the figures: on CPU the last step runs under gems.train.progress' PeakMeter (the
 PyTorch profiler's memory records), ~1.5 MiB more RSS in the final sample; and the loop keeps
 a few floats per step (these step times, Metrics' step times and losses), ~0.1 KiB per step.
 """

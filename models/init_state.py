@@ -44,6 +44,12 @@ def load_initial_state(model: nn.Module, path: str | Path, exclude: Iterable[str
     unexpected = sorted(given.keys() - wanted)
     reshaped = [f"{k} (file {_shape(given[k])}, model {_shape(own[k])})" for k in sorted(wanted & given.keys())
                 if isinstance(own[k], torch.Tensor) and given[k].shape != own[k].shape]
+    head = _head(own, given, wanted & given.keys())
+    if head and not (missing or unexpected):
+        key, file_rows, model_rows = head
+        raise GemsError(f"{path} has a head ({key}) of {file_rows} outputs but the model's has {model_rows} "
+                        f"(another number of classes): leave the head at its initial values with "
+                        f"--init-exclude '{key}.*' (exclude=[...])")
     if missing or unexpected or reshaped:
         parts = [f"{len(keys)} {kind} ({_first(keys)})" for kind, keys in
                  (("missing key(s)", missing), ("unexpected key(s)", unexpected), ("shape mismatch(es)", reshaped))
@@ -108,6 +114,16 @@ def _describe(value: object) -> str:
 
 def _first(keys: list[str]) -> str:
     return ", ".join(keys[:SHOWN]) + (", ..." if len(keys) > SHOWN else "")
+
+
+def _head(own: dict, given: dict, common: set[str]) -> tuple[str, int, int] | None:
+    """(module, file rows, model rows) when every shape mismatch is in one module and only in the
+    first dimension -- a classifier head for another number of classes; else None."""
+    differ = [k for k in common if isinstance(own[k], torch.Tensor) and given[k].shape != own[k].shape]
+    modules = {k.rpartition(".")[0] for k in differ}
+    if len(modules) != 1 or any(given[k].dim() == 0 or given[k].shape[1:] != own[k].shape[1:] for k in differ):
+        return None
+    return modules.pop(), given[differ[0]].shape[0], own[differ[0]].shape[0]
 
 
 def _shape(tensor: torch.Tensor) -> str:

@@ -215,8 +215,15 @@ def test_missing_unexpected_and_reshaped_keys_are_listed_with_counts(tmp_path):
     assert "5 missing key(s) (1.bias, 1.num_batches_tracked, 1.running_mean, 1.running_var, 1.weight)" in message
     assert "5 unexpected key(s) (module.1.bias, module.1.num_batches_tracked," in message
     assert "--init-exclude GLOB" in message
+    # a head for another number of classes: said so, with the flag that drops it
     message = mismatch(tmp_path, small(num_classes=7).state_dict(), small())
-    assert "2 shape mismatch(es) (5.bias (file 7, model 4), 5.weight (file 7x8, model 4x8))" in message
+    assert "has a head (5) of 7 outputs but the model's has 4" in message
+    assert "--init-exclude '5.*'" in message
+    # other shape mismatches are listed
+    other = small().state_dict()
+    other["0.weight"] = torch.zeros(3, 3, 1, 1)
+    message = mismatch(tmp_path, other, small())
+    assert "1 shape mismatch(es) (0.weight (file 3x3x1x1, model " in message
     assert "key(s)" not in message
 
 

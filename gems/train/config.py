@@ -67,7 +67,18 @@ class TrainConfig:
     init_exclude: tuple[str, ...] = opt((), "with --init-from: keys matching this glob keep their initial values, "
                                         "e.g. 'fc.*' for a classifier head of another size (repeatable)",
                                         metavar="GLOB")
-    num_classes: int = opt(10, "classes of the classifier head (a folder dataset sets its own)")
+    num_classes: int | None = opt(None, "classes the model predicts (default: 10 for synthetic data; class folders "
+                                  "and CSVs count their own; masks: values 0..N-1, background included, "
+                                  "2 with --binary-masks)")
+    task: str = opt("classification", "what the model learns: one class per image, or a class per pixel "
+                    "(masks of class indices)", choices=("classification", "segmentation"))
+    loss: str | None = opt(None, "loss: cross-entropy (default), bce (binary or multi-label, logits) or dice-ce "
+                           "(segmentation: Dice per image averaged over images, plus cross-entropy)",
+                           choices=("cross-entropy", "bce", "dice-ce"))
+    class_weights: str | None = opt(None, "per-class loss weights, comma-separated, e.g. 0.2,1,1")
+    label_smoothing: float = opt(0.0, "cross-entropy label smoothing in [0, 1)")
+    ignore_index: int | None = opt(None, "mask value marking pixels to ignore in the loss and metrics, e.g. 255")
+    binary_masks: bool = opt(False, "segmentation: any nonzero mask pixel is class 1 (masks stored as 0/255)")
     image_size: int = opt(2048, "side of the square input images, in pixels")
     # how to split it
     batch_size: int = opt(2, "global batch: images per optimizer step over all ranks")
@@ -90,16 +101,28 @@ class TrainConfig:
     offload: str = opt("none", "saved activations to host memory per stage: none, auto or all",
                        choices=("none", "auto", "all"))
     # data
-    data: str = opt("synthetic", "'synthetic' or the root of an ImageFolder tree")
+    data: str = opt("synthetic", "'synthetic', a folder of class folders, a CSV of path,label, or (segmentation) "
+                    "a folder with images/ and masks/")
+    augment: bool = opt(True, "random crops, flips, 90-degree rotations and colour jitter of training images "
+                        "(masks follow their images)")
+    val_data: str | None = opt(None, "validation data, laid out like --data; metrics over all of it")
+    val_every: int = opt(0, "validate every N steps (0: only at the end, when --val-data is given)")
+    val_batch_size: int | None = opt(None, "images per validation forward step over all ranks (default: --batch-size)")
+    keep_best: str | None = opt(None, "also keep the checkpoint with the best value of this validation metric "
+                                "(e.g. miou, top1, loss) in CHECKPOINT_DIR/best")
     workers: int = opt(2, "data loading processes per rank that reads images")
     seed: int = opt(0, "seed of the model initialisation, synthetic data and shuffling")
     # optimisation
-    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adam"))
+    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adam", "adamw"))
     lr: float = opt(0.01, "peak learning rate (small: very large images mean few images per step)")
     momentum: float = opt(0.9, "SGD momentum")
-    weight_decay: float = opt(0.0, "weight decay")
+    weight_decay: float = opt(0.0, "weight decay of weights; biases and normalisation layers' parameters "
+                              "(every 1-dimensional parameter) get none")
     warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
-    lr_schedule: str = opt("cosine", "learning rate after warm-up", choices=("cosine", "constant"))
+    lr_schedule: str = opt("cosine", "learning rate after warm-up", choices=("cosine", "constant", "step"))
+    lr_milestones: str | None = opt(None, "--lr-schedule step: steps at which the rate is multiplied by "
+                                    "--lr-gamma, comma-separated, e.g. 3000,6000")
+    lr_gamma: float = opt(0.1, "--lr-schedule step: factor at each milestone")
     steps: int | None = opt(None, "optimizer steps to run (default: one epoch)")
     epochs: int | None = opt(None, "epochs to run (instead of --steps)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient L2 norm to this value")
@@ -115,7 +138,9 @@ class TrainConfig:
                                  "visible GPUs (they split its memory and time); without it that stops the job")
     timeout: float = opt(300.0, "seconds a rank waits for a peer before aborting the job")
     # output
-    metrics: str | None = opt(None, "write one JSON line per step to this file")
+    metrics: str | None = opt(None, "write one JSON line per step (and per validation) to this file")
+    tensorboard: str | None = opt(None, "write TensorBoard scalars (loss, learning rate, images/s, peak memory "
+                                  "per rank, validation metrics) and validation images to this directory")
     checkpoint_dir: str | None = opt(None, "directory for checkpoints")
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end and on a signal)")
     keep_checkpoints: int = opt(0, "keep only the newest N complete checkpoints (0: keep all)")
@@ -128,9 +153,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise GemsError for values or combinations that cannot work."""
         for name in ("num_classes", "image_size", "batch_size", "stages", "micro_batches"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise GemsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.batch_size * 3 * self.image_size ** 2 > MAX_INPUT_ELEMENTS or self.num_classes > MAX_CLASSES:
+        if self.batch_size * 3 * self.image_size ** 2 > MAX_INPUT_ELEMENTS or (self.num_classes or 0) > MAX_CLASSES:
             raise GemsError(f"a batch of {self.batch_size} images of {self.image_size}x{self.image_size} pixels or "
                             f"{self.num_classes} classes is beyond torch's tensor sizes: use a smaller --batch-size "
                             f"or --image-size, and at most {MAX_CLASSES} classes")
@@ -159,6 +184,53 @@ class TrainConfig:
             raise GemsError("--momentum and --weight-decay must be finite and not negative")
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
             raise GemsError("--clip-grad-norm must be positive and finite")
+        self._validate_task()
+        if self.tensorboard:
+            from gems.train.board import require_tensorboard  # noqa: PLC0415
+            require_tensorboard()
         if self.trace_png:
             from gems.obs.trace import require_matplotlib  # noqa: PLC0415
             require_matplotlib()
+
+    def _validate_task(self) -> None:
+        if self.val_every < 0 or (self.val_batch_size is not None and self.val_batch_size < 1):
+            raise GemsError("--val-every cannot be negative and --val-batch-size must be at least 1")
+        if (self.val_every or self.val_batch_size) and not self.val_data:
+            raise GemsError("--val-every and --val-batch-size need --val-data, the images to validate on")
+        if self.keep_best and not (self.val_data and self.checkpoint_dir):
+            raise GemsError("--keep-best needs --val-data (to measure) and --checkpoint-dir (to keep it in)")
+        if self.task == "classification" and (self.ignore_index is not None or self.binary_masks):
+            raise GemsError("--ignore-index and --binary-masks are for masks: add --task segmentation")
+        if not 0 <= self.label_smoothing < 1:
+            raise GemsError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.lr_schedule == "step":
+            if not self.lr_milestones:
+                raise GemsError("--lr-schedule step needs --lr-milestones, e.g. --lr-milestones 3000,6000")
+            self.milestones()
+            if not 0 < self.lr_gamma < math.inf:
+                raise GemsError(f"--lr-gamma must be positive, got {self.lr_gamma}")
+        elif self.lr_milestones:
+            raise GemsError("--lr-milestones needs --lr-schedule step")
+        self.weights()
+
+    def milestones(self) -> list[int]:
+        """--lr-milestones as increasing step numbers."""
+        try:
+            steps = [int(x) for x in (self.lr_milestones or "").split(",") if x.strip()]
+        except ValueError:
+            steps = []
+        if not steps or steps != sorted(set(steps)) or steps[0] < 1:
+            raise GemsError(f"--lr-milestones takes increasing positive steps like 3000,6000, got "
+                            f"{self.lr_milestones!r}")
+        return steps
+
+    def weights(self) -> list[float] | None:
+        """--class-weights as floats (None when not given)."""
+        if self.class_weights is None:
+            return None
+        try:
+            weights = [float(x) for x in self.class_weights.split(",")]
+        except ValueError:
+            raise GemsError(f"--class-weights takes comma-separated numbers like 0.2,1,1, got "
+                            f"{self.class_weights!r}") from None
+        return weights

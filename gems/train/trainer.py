@@ -5,7 +5,6 @@ SIGTERM/SIGUSR1 after saving a checkpoint (Slurm preemption: requeue and ``--res
 """
 from __future__ import annotations
 
-import math
 import resource
 import signal
 import sys
@@ -21,10 +20,14 @@ from gems import models, partition
 from gems.obs import memory
 from gems.train import checkpoint
 from gems.pipeline import schedule as sch
+from gems.train.board import Board
 from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData
+from gems.train.losses import make_loss
+from gems.train.optim import learning_rate, make_optimizer
+from gems.train.validation import Validation
 from gems.errors import GemsError
-from gems.train.metrics import Metrics
+from gems.train.progress import Progress
 from gems.pipeline.topology import Topology
 from gems.obs.trace import Recorder
 from gems.units import format_size, parse_size
@@ -33,24 +36,6 @@ if TYPE_CHECKING:
     from gems.pipeline.engine import Engine
 
 PREEMPTED = 3
-
-
-def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to zero (or constant); a pure function of the step,
-    so a resumed run follows the same curve."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(cfg: TrainConfig):
-    if cfg.optimizer == "adam":
-        return lambda params: torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return lambda params: torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                                          weight_decay=cfg.weight_decay)
 
 
 def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu"):
@@ -158,10 +143,12 @@ class Job:
     comm: object
     topo: Topology
     data: TrainData
-    model: nn.Sequential | None
+    model: nn.Module | None
     plan: object
     resume_from: Path | None
     resume_state: tuple | None
+    loss: nn.Module
+    validation: Validation | None
 
 
 def prepare(cfg: TrainConfig, comm) -> Job | None:
@@ -173,11 +160,16 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     check_split(cfg, topo)
     group, position = topo.coords(comm.rank)
     held = topo.holds(position)
-    data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group,
-                     num_classes=cfg.num_classes if cfg.data == "synthetic" else None, seed=cfg.seed,
-                     workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
+    data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group, task=cfg.task,
+                     num_classes=cfg.num_classes,
+                     ignore_index=cfg.ignore_index, binary_masks=cfg.binary_masks, augment=cfg.augment,
+                     seed=cfg.seed, workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
+    loss = make_loss(cfg.task, cfg.loss or "cross-entropy", data.num_classes, class_weights=cfg.weights(),
+                     label_smoothing=cfg.label_smoothing)
+    validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, cfg.stages - 1 in held,
+                             comm.rank == 0) if cfg.val_data else None)
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, num_classes=data.num_classes, **model_kwargs(cfg.model_arg))
+    model = models.build(cfg.model, num_classes=output_channels(cfg, data.num_classes), **model_kwargs(cfg.model_arg))
     if cfg.init_from:   # every rank reads the same file, so all start from the same weights
         models.load_initial_state(model, cfg.init_from, cfg.init_exclude)
     plan = make_plan(cfg, model, topo.groups, comm.device.type)
@@ -208,13 +200,27 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                 for warning in damaged:
                     print(f"gems-train: warning: {warning}", file=sys.stderr, flush=True)
             meta = checkpoint.read_manifest(resume_from)
-            if (meta.get("model"), meta.get("num_classes")) != (cfg.model, data.num_classes):
-                raise GemsError(f"{resume_from} holds {meta.get('model')} with {meta.get('num_classes')} "
-                                f"classes, not {cfg.model} with {data.num_classes}: use another "
-                                "--checkpoint-dir or drop --resume")
+            if (meta.get("model"), meta.get("num_classes"), meta.get("task", "classification")) != (
+                    cfg.model, data.num_classes, cfg.task):
+                raise GemsError(f"{resume_from} holds {meta.get('model')} for {meta.get('task', 'classification')} "
+                                f"with {meta.get('num_classes')} classes, not {cfg.model} for {cfg.task} with "
+                                f"{data.num_classes}: use another --checkpoint-dir or drop --resume")
             units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
             resume_state = checkpoint.load_stages(resume_from, units)
-    return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state)
+    return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state, loss, validation)
+
+
+def output_channels(cfg: TrainConfig, num_classes: int) -> int:
+    """Channels of the model's output: one logit for a binary task under --loss bce, else one per class."""
+    return 1 if cfg.loss == "bce" and num_classes <= 2 else num_classes
+
+
+def checkpoint_meta(cfg: TrainConfig, data: TrainData) -> dict:
+    """What a checkpoint's manifest says about the model, so gems-predict can rebuild it."""
+    return {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size,
+            "outputs": output_channels(cfg, data.num_classes), "task": cfg.task, "model_arg": list(cfg.model_arg),
+            "leaf_module": list(cfg.leaf_module),
+            "classes": list(getattr(data, "classes", None) or []), "amp": cfg.amp}
 
 
 def run(job: Job) -> int:
@@ -222,7 +228,7 @@ def run(job: Job) -> int:
     cfg, comm, data, plan = job.cfg, job.comm, job.data, job.plan
     rank0 = comm.rank == 0
     from gems.pipeline.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
-    engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=nn.CrossEntropyLoss(), comm=comm,
+    engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=job.loss, comm=comm,
                     timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
                     autocast=torch.bfloat16 if cfg.amp == "bf16" else None, batch_norm=cfg.batch_norm)
     job.model = None  # the engine keeps only this rank's stages
@@ -232,12 +238,16 @@ def run(job: Job) -> int:
         engine.load_state(model_state, optimizer_state, param_groups)
         checkpoint.restore_rng(job.resume_from, manifest, engine)
         start = manifest["step"]
+        if job.validation is not None:
+            job.validation.best = manifest.get("best_value")
         if rank0:
             print(f"gems-train: resumed from {job.resume_from} at step {start}", flush=True)
     job.resume_state = None  # loaded into the engine: free it before memory is measured or limited
     total = cfg.steps if cfg.steps is not None else (cfg.epochs or 1) * data.steps_per_epoch
-    meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size}
-    metrics = Metrics(cfg, comm, engine, plan, start, total)
+    meta = checkpoint_meta(cfg, data)
+    validation = job.validation
+    board = Board(cfg.tensorboard, rank0, purge_step=start + 1 if start else None)
+    metrics = Progress(cfg, comm, engine, plan, start, total, board)
     tracer = Recorder(engine, keep=3) if cfg.trace or cfg.trace_png else None
     signals = _Signals()
     if cfg.enforce_memory_budget:  # last, so the progress bar's thread is part of the baseline
@@ -257,13 +267,28 @@ def run(job: Job) -> int:
             step += 1
             if tracer is not None:
                 tracer.record(step)
-            stop = metrics.record(step, loss, time.perf_counter() - began, data.skipped, signals.caught)
+            stop = metrics.record(step, loss, time.perf_counter() - began, data.skipped, signals.caught, epoch)
             if not engine.last_step_applied and not cfg.skip_nonfinite:
                 if rank0:
                     print(f"gems-train: error: the loss is not finite at step {step} ({loss}); the update "
                           "was not applied: lower --lr, set --clip-grad-norm, or pass --skip-nonfinite",
                           file=sys.stderr, flush=True)
                 return 1
+            best = False
+            if validation is not None and validation.due(step, total) and engine.last_step_applied:
+                scores = validation.run(engine, job.loss)
+                metrics.validation(step, scores)
+                board.validation(step, scores, _overlays(validation, engine, data.num_classes))
+                best = validation.improved(scores)
+                meta["best_value"] = validation.best
+            if best:
+                try:
+                    path = validation.save_best(engine, step, meta)
+                except checkpoint.CheckpointError as error:
+                    if rank0:
+                        print(f"gems-train: error: {error}", file=sys.stderr, flush=True)
+                    return 1
+                metrics.note(f"best {cfg.keep_best} {validation.best:.4f}: checkpoint {path}")
             if cfg.checkpoint_dir and (stop or step == total or
                                        (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 try:
@@ -279,6 +304,7 @@ def run(job: Job) -> int:
                 return PREEMPTED
     finally:
         metrics.close()
+        board.close()
     if tracer is not None:
         tracer.write(comm, cfg.trace, cfg.trace_png, {"model": cfg.model, "schedule": cfg.schedule,
                                                       "K": cfg.stages, "m": cfg.micro_batches,
@@ -288,3 +314,14 @@ def run(job: Job) -> int:
                   f"{' and '.join(p for p in (cfg.trace, cfg.trace_png) if p)}", flush=True)
     metrics.summary()
     return 0
+
+
+def _overlays(validation: Validation, engine, num_classes: int):
+    """TensorBoard's overlay images of this validation (rank 0), or None."""
+    from gems.train.board import overlays  # noqa: PLC0415
+    from gems.train.data import IMAGENET_MEAN, IMAGENET_STD  # noqa: PLC0415
+
+    sample = validation.overlays(engine)
+    if sample is None:
+        return None
+    return overlays(*sample, num_classes, IMAGENET_MEAN, IMAGENET_STD)

@@ -7,3 +7,10 @@ def tiny(num_classes: int = 10) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
     return nn.Sequential(block(3, 8), block(8, 16, 2), block(16, 16), block(16, 16, 2),
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes)))
+
+
+def tiny_segmenter(num_classes: int = 3) -> nn.Sequential:
+    """A per-pixel classifier without BatchNorm (batch-independent: GroupNorm), full resolution."""
+    def block(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.GroupNorm(4, cout), nn.ReLU())
+    return nn.Sequential(block(3, 16), block(16, 16), block(16, 16), nn.Conv2d(16, num_classes, 1))

@@ -23,8 +23,9 @@ from gems.obs import memory
 from gems.units import format_size
 
 
-class Metrics:
-    def __init__(self, cfg, comm, engine, plan, start: int, total: int) -> None:
+class Progress:
+    def __init__(self, cfg, comm, engine, plan, start: int, total: int, board=None) -> None:
+        self.board = board
         self.cfg, self.comm, self.engine, self.plan = cfg, comm, engine, plan
         self.rank0 = comm.rank == 0
         self.times: list[float] = []
@@ -43,7 +44,7 @@ class Metrics:
         if self.rank0 and cfg.metrics:
             self.file = open(cfg.metrics, "a" if cfg.resume else "w", encoding="utf-8")
 
-    def record(self, step: int, loss: float, seconds: float, skipped: int, caught: int) -> bool:
+    def record(self, step: int, loss: float, seconds: float, skipped: int, caught: int, epoch: int = 0) -> bool:
         """Report one step; returns True when some rank was asked to stop."""
         v = self._vec
         v.zero_()
@@ -67,11 +68,23 @@ class Metrics:
                 "lr": self.engine.optimizer.param_groups[0]["lr"], "applied": self.engine.last_step_applied,
                 "peak_memory": self.peaks, "skipped_images": self.skipped}) + "\n")
             self.file.flush()
-        self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.2f}", step_s=f"{seconds:.2f}")
+        if self.board is not None:
+            self.board.step(step, loss, self.engine.optimizer.param_groups[0]["lr"], images_per_s, self.peaks)
+        self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", img_s=f"{images_per_s:.2f}", step_s=f"{seconds:.2f}")
         self.bar.update(1)
         if step + 1 == self.total:
             self.meter.start(memory.engine_tensors(self.engine))
         return bool(v[0])
+
+    def validation(self, step: int, scores: dict) -> None:
+        """Report a validation: one line on the bar, one JSON line in the metrics file."""
+        if not self.rank0:
+            return
+        numbers = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+        self.note(f"validation after step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
+        if self.file:
+            self.file.write(json.dumps({"step": step, "validation": _finite(scores)}) + "\n")
+            self.file.flush()
 
     def note(self, text: str) -> None:
         if self.rank0:
@@ -109,3 +122,12 @@ class Metrics:
                          f"process peak {format_size(process)}")
         lines.append("gems-train: done")
         print("\n".join(lines), flush=True)
+
+
+def _finite(value):
+    """``value`` with NaN (a class absent from the whole validation set) as None: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and value != value else value

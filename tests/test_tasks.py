@@ -1,0 +1,124 @@
+"""Real jobs end to end on two MPI ranks: segmentation on image/mask pairs with validation,
+--keep-best, TensorBoard and JSONL metrics, then gems-predict (pipelined, the model never
+gathered) against one process running the same weights, 2048-style full images and sliding
+windows over an image larger than the plan's size; classification on class folders."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from conftest import REPO, run_mpi
+
+BIN = Path(sys.executable).parent
+SEG = "tests/assets/tiny_model.py:tiny_segmenter"
+SIZE = 32
+
+
+def synth(root: Path, task: str, count: int, val: int, size: int = SIZE) -> Path:
+    subprocess.run([sys.executable, str(BIN / "gems-data"), "synth", "--task", task, "--size", str(size),
+                    "--count", str(count), "--val-count", str(val), "--workers", "0", str(root)],
+                   check=True, cwd=REPO, capture_output=True, text=True, timeout=60)
+    return root
+
+
+def exported(checkpoint_dir: Path, out: Path) -> dict:
+    subprocess.run([sys.executable, str(BIN / "gems-export"), str(checkpoint_dir), str(out)], check=True, cwd=REPO)
+    return torch.load(out, weights_only=True)
+
+
+def reference_model(state: dict):
+    sys.path.insert(0, str(REPO / "tests" / "assets"))
+    from tiny_model import tiny_segmenter  # noqa: PLC0415
+    model = tiny_segmenter(3)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_segmentation_trains_validates_keeps_best_and_predicts_like_one_process(tmp_path):
+    data = synth(tmp_path / "data", "segmentation", 8, 4)
+    ck, metrics, board = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "tb"
+    run_mpi(2, BIN / "gems-train", "--task", "segmentation", "--model", SEG, "--num-classes", "3",
+            "--image-size", SIZE, "--batch-size", "2", "--stages", "2", "--steps", "4", "--workers", "0",
+            "--data", data / "train", "--val-data", data / "val", "--val-every", "2", "--keep-best", "miou",
+            "--loss", "dice-ce", "--optimizer", "adamw", "--weight-decay", "0.01", "--lr", "0.01",
+            "--checkpoint-dir", ck, "--metrics", metrics, "--tensorboard", board, "--no-progress", timeout=120)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    validations = [line for line in lines if "validation" in line]
+    assert [v["step"] for v in validations] == [2, 4]
+    for v in validations:
+        assert set(v["validation"]) >= {"loss", "miou", "dice", "pixel_accuracy", "iou_per_class"}
+    assert list(board.glob("events.out.tfevents.*"))
+    best = sorted((ck / "best").glob("step-*"))
+    assert len(best) == 1
+    # prediction on the validation pairs folder, pipelined on two ranks
+    out = tmp_path / "pred"
+    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", data / "val", "--out", out,
+            "--stages", "2", "--batch-size", "2", "--probabilities", "--probabilities-dtype", "float32",
+            timeout=120)
+    model = reference_model(exported(ck, tmp_path / "model.pt"))
+    from gems.train import images  # noqa: PLC0415
+    names = sorted(p.name for p in (data / "val" / "images").iterdir())
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(Path(n).with_suffix(".png").name for n in names)
+    for name in names:
+        x = images.read_image(str(data / "val" / "images" / name))
+        with torch.no_grad():
+            probs = model(x[None]).softmax(1)[0]
+        got = torch.from_numpy(np.asarray(Image.open(out / Path(name).with_suffix(".png"))).astype(np.int64))
+        import tifffile  # noqa: PLC0415
+        got_probs = torch.from_numpy(tifffile.imread(out / Path(name).with_suffix(".tif"))).permute(2, 0, 1)
+        torch.testing.assert_close(got_probs, probs, rtol=0, atol=1e-5)
+        top2 = probs.topk(2, 0).values
+        clear = (top2[0] - top2[1]) > 1e-5
+        assert torch.equal(got[clear], probs.argmax(0)[clear])
+
+
+def test_sliding_windows_over_a_larger_image_equal_one_process(tmp_path):
+    data = synth(tmp_path / "data", "segmentation", 4, 0)
+    ck = tmp_path / "ck"
+    run_mpi(2, BIN / "gems-train", "--task", "segmentation", "--model", SEG, "--num-classes", "3",
+            "--image-size", SIZE, "--batch-size", "2", "--stages", "2", "--steps", "1", "--workers", "0",
+            "--data", data / "train", "--checkpoint-dir", ck, "--no-progress", timeout=120)
+    big = tmp_path / "big"
+    big.mkdir()
+    g = torch.Generator().manual_seed(0)
+    pixels = (torch.rand(80, 72, 3, generator=g) * 255).to(torch.uint8).numpy()
+    import tifffile  # noqa: PLC0415
+    tifffile.imwrite(big / "scene.tif", pixels, tile=(16, 16))
+    out = tmp_path / "pred"
+    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", big, "--out", out, "--stages", "2",
+            "--batch-size", "2", "--overlap", "8", "--probabilities", "--probabilities-dtype", "float32",
+            timeout=120)
+    model = reference_model(exported(ck, tmp_path / "model.pt"))
+    from gems.train import images, regions, windows  # noqa: PLC0415
+    stitcher = windows.Stitcher(80, 72, 3, SIZE, 8)
+    source = regions.open_image(big / "scene.tif")
+    for top, left in windows.window_origins(80, 72, SIZE, 8):
+        x = images.normalise(regions.to_unit_float(source.read(top, left, SIZE, SIZE)))
+        with torch.no_grad():
+            stitcher.add(top, left, model(x[None]).softmax(1)[0])
+    expected = stitcher.result()
+    got = torch.from_numpy(tifffile.imread(out / "scene.tif")).permute(2, 0, 1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_classification_on_class_folders_validates_and_writes_a_csv(tmp_path):
+    data = synth(tmp_path / "data", "classification", 8, 4)
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    run_mpi(2, BIN / "gems-train", "--model", "tests/assets/tiny_model.py:tiny", "--image-size", SIZE,
+            "--batch-size", "4", "--stages", "2", "--steps", "2", "--workers", "0", "--data", data / "train",
+            "--val-data", data / "val", "--label-smoothing", "0.1", "--lr-schedule", "step",
+            "--lr-milestones", "1", "--checkpoint-dir", ck, "--metrics", metrics, "--no-progress", timeout=120)
+    validation = [json.loads(line) for line in metrics.read_text().splitlines() if "validation" in line]
+    assert len(validation) == 1 and 0 <= validation[0]["validation"]["top1"] <= 1
+    out = tmp_path / "pred"
+    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", data / "val", "--out", out,
+            "--stages", "2", "--batch-size", "2", timeout=120)
+    rows = (out / "predictions.csv").read_text().splitlines()
+    assert rows[0].startswith("image,predicted,") and len(rows) == 1 + 4
