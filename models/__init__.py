@@ -1,6 +1,7 @@
 """Model builders: gems' own zoo, third-party libraries, and the user's factories.
 
-Each zoo model is an ``nn.Sequential`` of coarse units gems may cut between. A unit is a piece
+Each zoo classifier is an ``nn.Sequential`` of coarse units gems may cut between (the U-Net, with
+its long skips, is a plain module that gems traces). A unit is a piece
 whose inside cannot be cut (a stem, a residual block, an AmoebaNet cell, a head), so a partition
 is just a list of cut points. Boundary convention: each unit's forward takes exactly what the
 previous unit returned, a tensor or a tuple of tensors (AmoebaNet cells pass ``(prev, cur)``),
@@ -30,13 +31,14 @@ from .amoebanet import amoebanet_d
 from .init_state import load_initial_state
 from .preact_resnet import preact_resnet
 from .resnet import resnet, torchvision_state_dict
+from .unet import unet
 from .sources import FORMS, build_from_source, is_source_spec
 from .user import SYNTAX, build_user_model, is_user_spec
 
 __all__ = ["build", "load_initial_state", "names", "torchvision_state_dict"]
 
 # name -> (builder, arguments the name fixes). Other builder arguments are the name's options.
-_REGISTRY: dict[str, tuple[Callable[..., nn.Sequential], dict[str, Any]]] = {
+_REGISTRY: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
     **{f"resnet{d}": (resnet, {"depth": d}) for d in (18, 34, 50, 101, 152)},
     "wide-resnet50-2": (resnet, {"depth": 50, "width_per_group": 128}),
     "wide-resnet101-2": (resnet, {"depth": 101, "width_per_group": 128}),
@@ -45,6 +47,7 @@ _REGISTRY: dict[str, tuple[Callable[..., nn.Sequential], dict[str, Any]]] = {
     "preact-resnet164": (preact_resnet, {"depth": 164}),
     "preact-resnet1001": (preact_resnet, {"depth": 1001}),
     "amoebanet-d": (amoebanet_d, {}),
+    "unet": (unet, {}),
 }
 
 

@@ -122,3 +122,50 @@ def test_classification_on_class_folders_validates_and_writes_a_csv(tmp_path):
             "--stages", "2", "--batch-size", "2", timeout=120)
     rows = (out / "predictions.csv").read_text().splitlines()
     assert rows[0].startswith("image,predicted,") and len(rows) == 1 + 4
+
+
+def _pairs(root: Path, masks: dict[str, tuple[int, int, int]], images: tuple[str, ...] | None = None) -> Path:
+    """A pairs folder: masks {name: (height, width, value)}; images for ``images`` (default every
+    mask's name), all 16 x 16 unless the mask says otherwise."""
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for name in images if images is not None else masks:
+        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(root / "images" / f"{name}.png")
+    for name, (h, w, value) in masks.items():
+        Image.fromarray(np.full((h, w), value, np.uint8)).save(root / "masks" / f"{name}.png")
+    return root
+
+
+def test_bad_segmentation_input_is_one_sentence_and_exit_2(tmp_path):
+    good = _pairs(tmp_path / "good", {"a": (16, 16, 1), "b": (16, 16, 0)})
+    base = ["--task", "segmentation", "--model", SEG, "--num-classes", "3", "--image-size", "16",
+            "--batch-size", "2", "--stages", "1", "--schedule", "gpipe", "--steps", "1", "--workers", "0",
+            "--no-progress"]
+    (tmp_path / "empty" / "images").mkdir(parents=True)
+    (tmp_path / "empty" / "masks").mkdir()
+    cases = [
+        (["--data", _pairs(tmp_path / "nomask", {"a": (16, 16, 0)}, images=("a", "b"))], "b"),
+        (["--data", _pairs(tmp_path / "noimage", {"a": (16, 16, 0), "c": (16, 16, 0)}, images=("a",))], "c"),
+        (["--data", _pairs(tmp_path / "size", {"a": (16, 16, 0), "b": (8, 16, 0)})], "b.png"),
+        (["--data", good, "--val-data", tmp_path / "empty"], "empty"),
+        (["--data", good, "--val-data", good, "--keep-best", "top1", "--checkpoint-dir", tmp_path / "ck"],
+         "--keep-best top1"),
+        (["--data", good, "--task", "classification", "--ignore-index", "255"], "--task segmentation"),
+        (["--data", "synthetic", "--loss", "dice-ce", "--task", "classification"], "dice-ce"),
+    ]
+    argvs = [[*base, *map(str, args)] for args, _ in cases]
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "distributed" / "cli_cases.py"), "gems.cli.train",
+                             json.dumps(argvs)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for (args, message), outcome in zip(cases, json.loads(result.stdout)):
+        assert outcome["code"] == 2, (args, outcome)
+        assert message in outcome["stderr"], (args, outcome)
+        assert "Traceback" not in outcome["stderr"] and len(outcome["stderr"].strip().splitlines()) == 1, outcome
+
+    # found only when the mask is decoded, mid-run: the job ends on every rank with exit 2
+    args = [*base, "--data", str(_pairs(tmp_path / "range", {"a": (16, 16, 7), "b": (16, 16, 7)}))]
+    result = subprocess.run([sys.executable, str(BIN / "gems-train"), *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "rank 0 failed: GemsError: mask " in result.stderr and "range/masks/" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 import torch
 from torch import Tensor
 
-from gems.errors import GemsError
+from gems.errors import USER_ERROR, GemsError
 
 # A tuple of tensors travels as one message per tensor, tagged ``tag * TENSORS_PER_MESSAGE + index``,
 # so a boundary holds at most this many tensors and the largest user tag is (TAG_UB - 15) // 16.
@@ -366,15 +366,18 @@ class Comm:
         """Abort the whole job if the body raises on this rank.
 
         Prints one line ``gems: rank R failed: Type: message`` to stderr (the traceback before it
-        only when GEMS_DEBUG=1) and ends every rank with exit code 1, so one failing rank never
-        leaves the others waiting for it. ``SystemExit(0)`` passes through; ``SystemExit(n)``
-        aborts with code n."""
+        only when GEMS_DEBUG=1) and ends every rank with exit code 1 -- 2 for a GemsError (bad
+        input found once running, e.g. a mask with a label out of range) -- so one failing rank
+        never leaves the others waiting for it. ``SystemExit(0)`` passes through;
+        ``SystemExit(n)`` aborts with code n."""
         try:
             yield self
         except SystemExit as exc:
             if exc.code in (None, 0):
                 raise
             self.fail(exc, exc.code if isinstance(exc.code, int) else 1)
+        except GemsError as exc:
+            self.fail(exc, USER_ERROR)
         except BaseException as exc:  # noqa: BLE001 -- any failure must end the job, not hang it
             self.fail(exc, 1)
 
