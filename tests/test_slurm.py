@@ -146,10 +146,26 @@ def test_preemptible_requeues_and_resumes(tmp_path: Path) -> None:
     assert "--resume" in second and done in second, log
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_segmentation_job_trains_validates_and_predicts(tmp_path: Path) -> None:
+    """No GEMS_DATA: the script generates a synthetic set, trains with validation and --keep-best,
+    then predicts masks with the best checkpoint."""
+    if not GEMS_TRAIN.exists():
+        pytest.skip("gems is not installed in this interpreter's environment")
+    env = {"GEMS_MODEL": "unet", "GEMS_EXTRA_ARGS": "--model-arg width=4 --model-arg depth=3 --workers 0",
+           "GEMS_IMAGE_SIZE": "32", "GEMS_STEPS": "4", "GEMS_VAL_EVERY": "2", "GEMS_SYNTH_COUNT": "8"}
+    job = submit("segmentation.sbatch", tmp_path, env)
+    info = wait(job, tmp_path)
+    log = output(tmp_path)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert "gems-train: done" in log and "gems-predict: 2 image(s) predicted" in log, log
+    assert len(list((tmp_path / "run" / "predictions").glob("*.png"))) == 2, log
+
+
 def test_scripts_are_complete() -> None:
     """Each script parses, asks for GPUs, one task per GPU, and launches through srun --mpi=pmi2."""
     for script in ("single-node.sbatch", "multi-node-resnet.sbatch", "multi-node-amoebanet.sbatch",
-                   "preemptible.sbatch"):
+                   "preemptible.sbatch", "segmentation.sbatch"):
         text = (JOBS / script).read_text()
         assert subprocess.run(["bash", "-n", str(JOBS / script)]).returncode == 0, script
         for directive in ("--nodes=", "--ntasks-per-node=", "--gpus-per-node=", "--cpus-per-task=",

@@ -99,6 +99,16 @@ def _worker_context():
     return context
 
 
+def start_worker_server() -> None:
+    """Start the fork server now, in the background: its start-up (a fresh interpreter importing
+    torch and torchvision, seconds) then overlaps the planning and the engine's set-up instead of
+    delaying the first batch while the other ranks wait for this one."""
+    context = _worker_context()
+    if context.get_start_method() == "forkserver":
+        from multiprocessing import forkserver  # noqa: PLC0415
+        forkserver.ensure_running()
+
+
 class _Source:
     """What TrainData and EvalData share: argument checks, the opened source, the loader, bad-file reports."""
 

@@ -22,7 +22,7 @@ from gems.train import checkpoint
 from gems.pipeline import schedule as sch
 from gems.train.board import Board
 from gems.train.config import TrainConfig, model_kwargs
-from gems.train.data import TrainData
+from gems.train.data import TrainData, start_worker_server
 from gems.train.losses import make_loss
 from gems.train.optim import learning_rate, make_optimizer
 from gems.train.validation import Validation
@@ -164,6 +164,8 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                      num_classes=cfg.num_classes,
                      ignore_index=cfg.ignore_index, binary_masks=cfg.binary_masks, augment=cfg.augment,
                      seed=cfg.seed, workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
+    if cfg.workers and 0 in held:
+        start_worker_server()
     loss = make_loss(cfg.task, cfg.loss or "cross-entropy", data.num_classes, class_weights=cfg.weights(),
                      label_smoothing=cfg.label_smoothing)
     validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, cfg.stages - 1 in held,
