@@ -52,6 +52,9 @@ WORKER = DISTRIBUTED / "fault_worker.py"
 BASE = ["--model", "tests/assets/tiny_model.py:tiny", "--image-size", "16", "--no-progress",
         "--lr", "0.05", "--lr-schedule", "constant", "--checkpoint-every", "1", "--keep-checkpoints", "2"]
 KILL_TIMEOUT = 6      # --timeout of a launch that loses a rank: how long its survivors wait for it
+# ... where the first stage's rank starts data-loading workers: their fork server (a fresh interpreter
+# importing torch, on cores the other lanes load) can delay that rank's first batch past 6 s
+WORKERS_KILL_TIMEOUT = 15
 CALM_TIMEOUT = 120    # --timeout of the launches nobody kills (a loaded machine must not fail them)
 SLACK = 30            # seconds past KILL_TIMEOUT the survivors may take to abort and be reaped
 LAUNCH_LIMIT = 240    # a launch still running after this long hangs
@@ -187,7 +190,8 @@ def launch(ranks: int, args: list[str], metrics: Path, fault: str | None = None)
     if fault:
         env.update(GEMS_FAULT=fault, GEMS_FAULT_RECORD=str(records))
     program = [sys.executable, str(WORKER if fault else TRAIN), *args, "--metrics", str(metrics),
-               "--timeout", str(KILL_TIMEOUT if fault else CALM_TIMEOUT)]
+               "--timeout", str(CALM_TIMEOUT if not fault else
+                                WORKERS_KILL_TIMEOUT if args[args.index("--workers") + 1] != "0" else KILL_TIMEOUT)]
     command = [mpiexec(), "-n", str(ranks), *program]
     if fault:  # leave the survivors to end themselves (see the module docstring)
         command = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", '"$@"; exit $?', "sh",

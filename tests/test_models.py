@@ -27,7 +27,7 @@ SMALL = {
     "amoebanet-d": {"num_layers": 3, "num_filters": 8},
 }
 # preact-resnet1001 is covered by construction only (a forward pass takes ~10 s here).
-FORWARD_NAMES = [n for n in names() if n != "preact-resnet1001"]
+FORWARD_NAMES = [n for n in names() if n not in ("preact-resnet1001", "unet")]   # the Sequential zoo
 
 
 def test_names_cover_the_zoo():
@@ -214,3 +214,14 @@ def test_models_do_not_import_the_gems_runtime():
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for module in modules:
                 assert not module.startswith("gems") or module == "gems.errors", f"{path.name} imports {module}"
+
+
+def test_unet_keeps_any_input_size_and_is_traced_into_units():
+    from gems.graph import graph_units  # noqa: PLC0415
+    model = build("unet", num_classes=3, width=4, depth=3, groups=2).eval()
+    x = torch.randn(2, 3, 18, 22)
+    assert model(x).shape == (2, 3, 18, 22)
+    units = graph_units(model, (3, 16, 16), batch=2)
+    assert "down.0.0" in units.unit_names and any(n.startswith("up.1") for n in units.unit_names)
+    y = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(units(y), model(y))

@@ -366,10 +366,9 @@ class Comm:
         """Abort the whole job if the body raises on this rank.
 
         Prints one line ``gems: rank R failed: Type: message`` to stderr (the traceback before it
-        only when GEMS_DEBUG=1) and ends every rank with exit code 1 -- 2 for a GemsError (bad
-        input found once running, e.g. a mask with a label out of range) -- so one failing rank
-        never leaves the others waiting for it. ``SystemExit(0)`` passes through;
-        ``SystemExit(n)`` aborts with code n."""
+        only when GEMS_DEBUG=1) and ends every rank with exit code 1 (2 for a GemsError: bad input
+        found while running), so one failing rank never leaves the others waiting for it.
+        ``SystemExit(0)`` passes through; ``SystemExit(n)`` aborts with code n."""
         try:
             yield self
         except SystemExit as exc:
