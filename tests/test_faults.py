@@ -124,7 +124,7 @@ DEFAULT = [  # longest chains first: layouts start in this order, LANES at a tim
     *chains(Layout("mp", 2, 2, workers=1), [F("forward", 1), F("backward", 0), F("send", 0)]),
     *chains(Layout("gpipe", 2, 2, 2), [F("recv", 0), F("step", 1), F("save", 0)]),
     *chains(Layout("1f1b", 2, 2, 2), [F("backward", 1, 2), F("forward", 0, 2), F("step", 0)]),
-    *chains(Layout("gpipe", 4, 2, workers=1), [F("allreduce", 3), F("step", 1)]),
+    *chains(Layout("gpipe", 4, 2), [F("allreduce", 3), F("step", 1)]),
     *chains(Layout("mast", 2, 2, comm="torch"), [F("send", 0)]),
 ]
 
