@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from conftest import REPO, run_mpi
