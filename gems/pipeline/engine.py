@@ -121,6 +121,9 @@ class Engine:
         messenger = Messenger(comm, self.topology, lists, self.position, plan.stage_output_shapes,
                               plan.stage_output_dtypes, batches.rows_per_micro, self.device, prefetch)
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
+        # (replica, micro) of the micro-batches whose loss this rank computes (their normalisers)
+        self._losses_here = [(a.replica, a.micro) for a in self.actions
+                             if a.op == sch.FORWARD and a.stage == self.K - 1]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,
                                  self.grads, self.loss_fn, autocast, self.device)
         self.executor.optimizer = self.optimizer
@@ -173,7 +176,7 @@ class Engine:
         labels = batches.shard(labels, "labels", self.needs_labels)
         self.grads.begin_step()
         try:
-            self.executor.inverse = reciprocal(self._normalisers(labels, batches)).to(self.device)
+            self.executor.inverse = reciprocal(self._normalisers(labels, batches))
             self.executor.run(images, labels)
         except Exception as exc:  # noqa: BLE001 - peers are mid-step: the job cannot go on
             self._fail(exc, self.executor.current)
@@ -183,9 +186,8 @@ class Engine:
         """The step's global loss normalisers (``gems.pipeline.loss``): each micro-batch's, counted
         by the rank that computes its loss, summed over the world. COLLECTIVE."""
         total = torch.zeros(self.loss_fn.terms, dtype=torch.float64)
-        for a in self.actions:
-            if a.op == sch.FORWARD and a.stage == self.K - 1:
-                total += self.loss_fn.normaliser(labels[batches.rows(a.replica, a.micro)]).reshape(-1)
+        for replica, micro in self._losses_here:
+            total += self.loss_fn.normaliser(labels[batches.rows(replica, micro)]).reshape(-1).cpu()
         total = total.to(self.device)
         self.comm.allreduce(total, None, "the loss normaliser allreduce")
         return total

@@ -71,20 +71,29 @@ def reciprocal(normalisers: torch.Tensor) -> torch.Tensor:
     return torch.where(normalisers > 0, 1.0 / safe, torch.zeros_like(normalisers))
 
 
+def sums(loss: SumLoss, output, target: torch.Tensor) -> torch.Tensor:
+    """``[totals | normalisers]`` of one micro-batch, float64 on the CPU: what an evaluation adds up
+    over batches and ranks before dividing (``mean``)."""
+    totals = torch.as_tensor(loss(output, target)).detach().reshape(-1)
+    return torch.cat([totals.to("cpu", torch.float64), loss.normaliser(target).reshape(-1).to("cpu", torch.float64)])
+
+
+def mean(state: torch.Tensor) -> float:
+    """The loss of summed ``[totals | normalisers]``: sum_j total_j / N_j (0 for a term with N_j = 0)."""
+    terms = len(state) // 2
+    return float((state[:terms] * reciprocal(state[terms:])).sum())
+
+
 class LossScores:
     """The loss over a whole evaluation: every micro-batch's sums and normalisers added up
-    (``state``, float64, summed over the ranks by ``Engine.evaluate``), divided at the end."""
+    (``state``, summed over the ranks by ``Engine.evaluate``), divided at the end."""
 
     def __init__(self, loss: SumLoss) -> None:
         self.loss = loss
         self.state = torch.zeros(2 * loss.terms, dtype=torch.float64)
 
     def update(self, output, target: torch.Tensor) -> None:
-        T = self.loss.terms
-        self.state[:T] += self.loss(output, target).detach().reshape(-1).double().cpu()
-        self.state[T:] += self.loss.normaliser(target).reshape(-1).cpu()
+        self.state += sums(self.loss, output, target)
 
     def compute(self, state: torch.Tensor | None = None) -> dict[str, float]:
-        s = self.state if state is None else state
-        T = self.loss.terms
-        return {"loss": float((s[:T] * reciprocal(s[T:])).sum())}
+        return {"loss": mean(self.state if state is None else state)}

@@ -125,7 +125,9 @@ def _tiff_array(path: str) -> np.ndarray | None:
     return array
 
 
-def _hwc(array: np.ndarray) -> Tensor:
+def to_unit_float(array: np.ndarray) -> Tensor:
+    """Pixels ``[h, w, C]`` or ``[h, w]`` as float32 ``[C, h, w]``, integers scaled to [0, 1]
+    (``_scaled``); the caller normalises. Whole decoded images and regions of large ones alike."""
     x = _scaled(np.ascontiguousarray(array))
     return x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
 
@@ -156,16 +158,16 @@ def decode(path: str, channels: int = 3, max_pixels: int | None = None, draft: i
     _check_size(path, max_pixels)
     array = _tiff_array(path) if _is_tiff(path) else None
     if array is not None:
-        return to_channels(_hwc(array), channels)
+        return to_channels(to_unit_float(array), channels)
     if path.lower().endswith(".png") and _deep_colour_png(path):
         return to_channels(_png16(path), channels)
     with _pil_open(path) as img:
         if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-            return to_channels(_hwc(np.array(img)), channels)
+            return to_channels(to_unit_float(np.array(img)), channels)
         mode = "RGB" if channels == 3 else "L"
         if draft is not None:
             img.draft(mode, (draft, draft))
-        return to_channels(_hwc(np.array(img.convert(mode))), channels)
+        return to_channels(to_unit_float(np.array(img.convert(mode))), channels)
 
 
 def read_mask(path: str, max_pixels: int | None = None) -> Tensor:

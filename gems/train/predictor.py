@@ -136,7 +136,7 @@ def prepare(cfg, comm) -> PredictJob:
 def _window(source, top: int, left: int, size: int) -> torch.Tensor:
     """The normalised S x S input at (top, left), zero-padded past the image's edge."""
     h, w = min(size, source.height - top), min(size, source.width - left)
-    x = images.normalise(images.to_channels(regions.to_unit_float(source.read(top, left, h, w)), 3))
+    x = images.normalise(images.to_channels(images.to_unit_float(source.read(top, left, h, w)), 3))
     return F.pad(x, (0, size - w, 0, size - h)) if (h, w) != (size, size) else x
 
 
@@ -173,8 +173,9 @@ def _segment(job: PredictJob, engine, paths: list[str], rows: int) -> int:
     cfg, size = job.cfg, int(job.meta["image_size"])
     writer = engine.position == 0
     # every rank of the group runs the same forward steps, so all list the same windows
-    plan = [(i, top, left) for i, p in enumerate(paths)
-            for top, left in windows.window_origins(*reversed(images.header_size(p)), size, cfg.overlap)]
+    sizes = [images.header_size(p) for p in paths]   # (width, height), from the headers
+    plan = [(i, top, left) for i, (width, height) in enumerate(sizes)
+            for top, left in windows.window_origins(height, width, size, cfg.overlap)]
     sources: dict[int, object] = {}
     stitcher, written = None, 0
     for at in range(0, len(plan), rows):
@@ -194,7 +195,7 @@ def _segment(job: PredictJob, engine, paths: list[str], rows: int) -> int:
         probs = _probabilities(out)
         for k, (i, top, left) in enumerate(batch):
             if stitcher is None:
-                width, height = images.header_size(paths[i])
+                width, height = sizes[i]
                 stitcher = windows.Stitcher(height, width, probs.shape[1], size, cfg.overlap)
             stitcher.add(top, left, probs[k])
             last = at + k + 1 == len(plan) or plan[at + k + 1][0] != i

@@ -34,10 +34,9 @@ import warnings
 from collections import OrderedDict
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from gems.errors import GemsError
+from gems.train.images import to_unit_float  # noqa: F401 - regions' pixels, scaled as decoded images'
 
 CACHE_BYTES = 256 << 20  # one band of 2048-pixel windows across a 40000-pixel RGB slide, with room to spare
 TIFF_MAGIC = (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")  # classic and BigTIFF, either byte order
@@ -54,20 +53,6 @@ def open_image(path: str | os.PathLike, *, max_pixels: int | None = None,
     if magic in TIFF_MAGIC:  # by content, not by name: .svs, .btf and misnamed files too
         return TiffImage(path, cache_bytes=cache_bytes)
     return ArrayImage.from_pil(path, max_pixels)
-
-
-def to_unit_float(array: np.ndarray) -> Tensor:
-    """``array`` [h, w, C] or [h, w] as a float32 tensor [C, h, w] in [0, 1]: uint8 / 255,
-    uint16 / 65535, bool as 0 / 1, floats as they are (the caller normalises)."""
-    if array.ndim == 2:
-        array = array[:, :, None]
-    t = torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
-    kind = array.dtype
-    if kind == np.uint8 or kind == np.uint16:
-        return t.to(torch.float32).div_(255.0 if kind == np.uint8 else 65535.0)
-    if kind == np.bool_ or kind.kind == "f":
-        return t.to(torch.float32)
-    raise GemsError(f"images of pixel type {kind} are not supported; convert them to uint8, uint16 or float32.")
 
 
 class ArrayImage:

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from gems.errors import GemsError
-from gems.pipeline.loss import SumLoss, as_sum_loss, reciprocal
+from gems.pipeline.loss import SumLoss, as_sum_loss, mean, sums
 from gems.train.targets import IGNORE, predicted_labels
 
 METRICS = {"classification": ("loss", "top1", "top5"),
@@ -83,10 +83,7 @@ class Scores:
             output, target = output[keep], target[keep]
         self.state[2 * self.terms:] += self._counts(output, target).to("cpu", torch.float64)
         if self.loss is not None and len(target):
-            t = self.terms
-            totals = torch.as_tensor(self.loss(output, target)).reshape(-1)
-            self.state[:t] += totals.to("cpu", torch.float64)
-            self.state[t:2 * t] += self.loss.normaliser(target).reshape(-1).to("cpu", torch.float64)
+            self.state[:2 * self.terms] += sums(self.loss, output, target)
 
     def compute(self, state: torch.Tensor | None = None) -> dict[str, float | list[float]]:
         """The metrics from ``state`` (default: this accumulator's own; pass the sum over ranks)."""
@@ -95,9 +92,8 @@ class Scores:
             raise ValueError(f"a state of {list(s.shape)} entries, this accumulator's has {list(self.state.shape)}")
         result: dict[str, float | list[float]] = {}
         if self.loss is not None:
-            totals, normalisers = s[:self.terms], s[self.terms:2 * self.terms]
-            result["loss"] = (float((totals * reciprocal(normalisers)).sum()) if bool((normalisers > 0).any())
-                              else math.nan)
+            part = s[:2 * self.terms]
+            result["loss"] = mean(part) if bool((part[self.terms:] > 0).any()) else math.nan
         result.update(self._metrics(s[2 * self.terms:]))
         return result
 
