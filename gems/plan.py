@@ -23,7 +23,7 @@ from gems.units import format_size
 
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
-_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": []}
+_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": []}
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
@@ -155,6 +155,10 @@ class Plan:
     # Module paths or class names traced whole (gems.graph.graph_units): the engine traces the
     # model with them too, so both see the same units.
     leaf_modules: list[str] = field(default_factory=list)
+    # Per position, what a forward-only step (evaluation, prediction) holds at its highest beyond
+    # static_bytes, at micro_batch_size rows (gems.partition.forward); it scales with the rows, see
+    # forward_peak_bytes. Empty in plans written before it was priced.
+    forward_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -174,6 +178,16 @@ class Plan:
     def overhead_bytes(self) -> int:
         """``device_overhead`` in all: what a rank holds on its GPU besides tensors."""
         return sum(self.device_overhead.values())
+
+    def forward_peak_bytes(self, position: int, batch_size: int) -> int | None:
+        """A position's estimated peak in a forward-only step on global batches of ``batch_size``
+        images (``Engine.evaluate``/``predict``): its static memory plus ``forward_bytes`` scaled
+        to that batch's micro-batches. None when the plan has no forward figures."""
+        if not self.forward_bytes:
+            return None
+        # micro-batch rows scale with the batch: batch_size / batch_size of the plan
+        return self.positions[position].static_bytes + -(-self.forward_bytes[position] * batch_size
+                                                         // self.batch_size)
 
     # -- JSON ------------------------------------------------------------------------
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -231,6 +245,9 @@ class Plan:
                             f"use {K + 1} increasing cut points from 0 to {n}")
         if len(self.policies) != K:
             raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
+        if self.forward_bytes and len(self.forward_bytes) != K:
+            raise GemsError(f"the plan has {len(self.forward_bytes)} forward-only figures for {K} positions: "
+                            "regenerate it with gems-plan --json")
         if self.host_bytes and len(self.host_bytes) != K:
             raise GemsError(f"the plan has {len(self.host_bytes)} host memory figures for {K} positions: "
                             "regenerate it with gems-plan --json")
@@ -280,6 +297,10 @@ class Plan:
             "",
             f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
         ]
+        if self.forward_bytes:
+            need, position = max((self.forward_peak_bytes(p, self.batch_size), p) for p in range(self.stages))
+            lines.append(f"forward-only steps (validation, prediction) of this batch: est. peak {format_size(need)} "
+                         f"on position {position}")
         crossing = [s for s in range(self.stages - 1) if len(self.stage_output_shapes[s]) > 1]
         if crossing:   # several tensors cross a cut: skips (a traced model's relay them), tuples
             lines += ["", "tensors crossing each cut with more than one (per micro-batch):"]

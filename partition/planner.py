@@ -32,6 +32,7 @@ from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
+from .forward import forward_bytes
 from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
@@ -260,7 +261,8 @@ class _Job:
             load_unit={"memory": "B", "flops": "FLOP"}.get(balance_by, costs.time_unit),
             imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
             device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
-            device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies))
+            device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
+            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts)))
         if any(p.kind != "none" for p in policies):
             def step(costs_of_plan) -> float:
                 return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups).step_time

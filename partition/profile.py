@@ -95,6 +95,8 @@ class _Run:
         self.allocations = Allocations()
         self.flops = FlopCounterMode(display=False)
         self.params, self.buffers = zip(*(_fake_state(u, dtype) for u in units))
+        self.allocations.static = {id(t.untyped_storage()) for state in (*self.params, *self.buffers)
+                                   for t in state.values()}
         self.static = {self.keys(t) for state in (*self.params, *self.buffers) for t in state.values()}
         self.saved: dict[int, tuple[int, set[int]]] = {}   # storage key -> (nbytes, saving units)
         self.unit = -1
@@ -112,7 +114,7 @@ class _Run:
         x = torch.empty((self.batch, *self.input_shape), dtype=self.dtype)
         n = len(self.units)
         boundaries = [_as_tuple(x, "the input")]   # boundaries[b + 1] = output of unit b
-        leaves, fwd_flops, fwd_working = [], [], []
+        leaves, fwd_flops, fwd_working, eval_working = [], [], [], []
         previous: torch.Tensor | tuple = x
         for i, unit in enumerate(self.units):
             self.unit = i
@@ -131,6 +133,7 @@ class _Run:
             self.copied.append(self.precision.copied - copied if self.precision else 0)
             fwd_flops.append(self.flops.get_total_flops())
             fwd_working.append(self.allocations.peak_since(start) + self.allocations.largest_operand)
+            eval_working.append(self._eval_working(i, unit, state, arg))
             leaves.append(leaf)
             boundaries.append(_as_tuple(previous, f"unit {self.names[i]}"))
             self._check_batch(boundaries[-1], i)
@@ -181,10 +184,28 @@ class _Run:
                 output_bytes=sum(b for _, _, b in out),
                 forward_flops=int(fwd_flops[i]), backward_flops=int(bwd_flops[i]),
                 forward_working=int(fwd_working[i]), backward_working=int(bwd_working[i]),
+                eval_working=int(eval_working[i]),
             ))
         return ModelProfile(units=profiles, input_shapes=tuple(s for s, _, _ in shapes[0]),
                             input_dtypes=tuple(d for _, d, _ in shapes[0]), micro_batch_size=self.batch,
                             dtype=_dtype_name(self.dtype), optimizer=self.optimizer, storages=storages)
+
+    def _eval_working(self, i: int, unit: nn.Module, state: dict, arg: object) -> int:
+        """Unit ``i``'s new allocations in a forward-only step (eval mode, no_grad), on a copy of
+        its input made outside the tracker (the training forward's input stays untouched)."""
+        copy = tuple(t.detach().clone() for t in _as_tuple(arg, "a unit"))
+        unit.eval()
+        try:
+            start = self.allocations.mark()
+            with torch.no_grad(), self.allocations, self.precision or contextlib.nullcontext():
+                torch.func.functional_call(unit, state, (copy[0] if isinstance(arg, torch.Tensor) else copy,))
+            # Beyond the scratch allowed for the largest operand (as in training), CPU kernels
+            # (oneDNN) reorder a convolution's activations as well as its weight, which a forward-only
+            # step's peak, made of working memory alone, feels: one more copy of the largest activation
+            return (self.allocations.peak_since(start) + self.allocations.largest_operand
+                    + self.allocations.largest_activation)
+        finally:
+            unit.train()
 
     def _storages(self, boundary_keys: list[list[int]], nbytes: dict[int, int]) -> list[Storage]:
         crossings: dict[int, set[int]] = {}

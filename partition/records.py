@@ -44,6 +44,7 @@ class UnitProfile:
     backward_flops: int
     forward_working: int      # peak of new allocations during its forward (outputs and saved included)
     backward_working: int     # output gradient + peak of new allocations during its backward
+    eval_working: int         # peak of new allocations of a forward-only step's forward (no_grad, eval mode)
 
     @property
     def static_bytes(self) -> int:

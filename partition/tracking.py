@@ -56,6 +56,8 @@ class Allocations(TorchDispatchMode):
         self._serial: dict[int, int] = {}          # id(storage) -> serial, while alive
         self._next = 0
         self.largest_operand = 0                   # bytes of the largest tensor an op has read or written
+        self.largest_activation = 0                # ... of those not in ``static`` (parameters, buffers)
+        self.static: set[int] = set()              # ids of the storages of parameters and buffers
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -70,6 +72,8 @@ class Allocations(TorchDispatchMode):
                     self._track(storage)
         if func.name().split("::")[-1].split(".")[0] in WORKSPACE_OPS:
             self.largest_operand = max([self.largest_operand, *(tensor_bytes(t) for t in operands)])
+            self.largest_activation = max([self.largest_activation, *(
+                tensor_bytes(t) for t in operands if id(t.untyped_storage()) not in self.static)])
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -85,8 +89,8 @@ class Allocations(TorchDispatchMode):
         self._log.append((serial, -nbytes))
 
     def mark(self) -> int:
-        """Start a window: returns the log position, resets ``largest_operand``."""
-        self.largest_operand = 0
+        """Start a window: returns the log position, resets ``largest_operand`` and ``largest_activation``."""
+        self.largest_operand = self.largest_activation = 0
         return len(self._log)
 
     def serials(self, tensors: Sequence[torch.Tensor]) -> set[int]:

@@ -46,7 +46,7 @@ ALLOWED = {
 }
 # The planner may use the pipeline's pure parts only (never the executor or the engine).
 PARTITION_MAY_USE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",
-                     "gems.pipeline.simulate", "gems.pipeline.topology"}
+                     "gems.pipeline.simulate", "gems.pipeline.topology", "gems.pipeline.posting"}
 PURE = PARTITION_MAY_USE    # schedule modules: no torch
 MAX_LINES, ENGINE_MAX_LINES = 400, 300
 

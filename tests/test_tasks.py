@@ -5,6 +5,7 @@ windows over an image larger than the plan's size; classification on class folde
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -120,12 +121,18 @@ def sliding_windows_equal_one_process(tmp_path: Path, ck: Path, model) -> None:
 def test_classification_on_class_folders_validates_and_writes_a_csv(tmp_path):
     data = synth(tmp_path / "data", "classification", 8, 4)
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    run_mpi(2, BIN / "gems-train", "--model", "tests/assets/tiny_model.py:tiny", "--image-size", SIZE,
-            "--batch-size", "4", "--stages", "2", "--steps", "2", "--workers", "0", "--data", data / "train",
-            "--val-data", data / "val", "--label-smoothing", "0.1", "--lr-schedule", "step",
-            "--lr-milestones", "1", "--checkpoint-dir", ck, "--metrics", metrics, "--no-progress", timeout=120)
+    result = run_mpi(2, BIN / "gems-train", "--model", "tests/assets/tiny_model.py:tiny", "--image-size", SIZE,
+                     "--batch-size", "4", "--stages", "2", "--steps", "2", "--workers", "0", "--data", data / "train",
+                     "--val-data", data / "val", "--val-batch-size", "2", "--label-smoothing", "0.1",
+                     "--lr-schedule", "step", "--lr-milestones", "1", "--checkpoint-dir", ck, "--metrics", metrics,
+                     "--no-progress", timeout=120)
     validation = [json.loads(line) for line in metrics.read_text().splitlines() if "validation" in line]
     assert len(validation) == 1 and 0 <= validation[0]["validation"]["top1"] <= 1
+    # the last validation's measured peak beside the plan's forward-only estimate, per rank
+    assert "validation in batches of 2, forward-only steps estimated at" in result.stdout
+    lines = result.stdout.split("over the last validation (forward-only, batches of 2)")[1].splitlines()[1:3]
+    assert all(re.match(r"    rank \d \(position \d\): [\d.]+ KiB measured, [\d.]+ KiB estimated", line)
+               for line in lines), result.stdout
     out = tmp_path / "pred"
     run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", data / "val", "--out", out,
             "--stages", "2", "--batch-size", "2", timeout=120)
@@ -161,6 +168,8 @@ def test_bad_segmentation_input_is_one_sentence_and_exit_2(tmp_path):
          "--keep-best top1"),
         (["--data", good, "--task", "classification", "--ignore-index", "255"], "--task segmentation"),
         (["--data", "synthetic", "--loss", "dice-ce", "--task", "classification"], "dice-ce"),
+        (["--data", good, "--val-data", good, "--micro-batches", "2", "--val-batch-size", "3"],
+         "--val-batch-size 3 does not split"),
     ]
     argvs = [[*base, *map(str, args)] for args, _ in cases]
     result = subprocess.run([sys.executable, str(REPO / "tests" / "distributed" / "cli_cases.py"), "gems.cli.train",

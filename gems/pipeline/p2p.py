@@ -8,7 +8,8 @@ deadlocking or swapping two messages; MPI matches by tag anyway and loses nothin
 Within that order, receives are posted ahead of need: the next ``prefetch`` receives of the
 action list are posted as soon as nothing unposted precedes them toward their peer, so a peer's
 send usually finds its receive waiting; every other receive is posted when the order requires it
-(before a later send to its peer) or when it is waited for. Sends are non-blocking, progressed
+(before a later send to its peer) or when it is waited for (``gems.pipeline.posting`` keeps that
+bookkeeping, which the planner replays). Sends are non-blocking, progressed
 while the rank computes, and completed before the gradient sync. Every message's identity, tag
 and buffers follow from the schedule IR (``Action.message``) and the plan's boundary layouts, so
 no metadata travels with the data.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from gems.pipeline import ir
+from gems.pipeline.posting import Posting
 from gems.pipeline.topology import Topology
 
 
@@ -39,68 +41,40 @@ class Messenger:
     def __init__(self, comm, topology: Topology, lists: list[list[ir.Action]], position: int, shapes, dtypes,
                  rows: int, device: torch.device, prefetch: int) -> None:
         self.comm, self.device, self.rows, self.position = comm, device, rows, position
-        actions = lists[position]
-        self._peer_rank = {a.peer: topology.peer(comm.rank, a.peer) for a in actions if a.peer >= 0}
+        self._peer_rank = {a.peer: topology.peer(comm.rank, a.peer) for a in lists[position] if a.peer >= 0}
         self._shapes, self._dtypes = shapes, [[getattr(torch, d) for d in ds] for ds in dtypes]
-        self.prefetch = max(1, prefetch)
-        self._wire = ir.wire_order(lists, position)                # peer -> messages, both directions
-        self._index = {msg: i for msgs in self._wire.values() for i, msg in enumerate(msgs)}
-        self._receives = [a.message(position) for a in actions if a.op in ir.RECVS]
-        self._next: dict[int, int] = {}                   # peer -> index of its first unposted transfer
+        self.posting = Posting(lists, position, prefetch)
         self._posted: dict[ir.Message, tuple] = {}        # receives posted, not yet consumed
-        self._consumed = 0
         self._sends: list = []
 
     def begin_step(self) -> None:
         """Post the first receives of a step."""
-        self._next = dict.fromkeys(self._wire, 0)
-        self._posted, self._consumed = {}, 0
-        self._prefetch()
+        self._posted = {}
+        self._post(self.posting.begin())
 
-    def _peer(self, msg: ir.Message) -> int:
-        return msg.src if msg.dst == self.position else msg.dst
-
-    def _post_receives(self, peer: int, upto: int) -> bool:
-        """Post the receives toward ``peer`` up to wire index ``upto`` (exclusive) if no send of
-        this rank comes before; False (posting nothing) if one does."""
-        wire, start = self._wire[peer], self._next[peer]
-        if any(msg.src == self.position for msg in wire[start:upto]):
-            return False
-        for msg in wire[start:upto]:
+    def _post(self, messages: list[ir.Message]) -> None:
+        for msg in messages:
             bufs = tuple(torch.empty((self.rows, *shape), dtype=dt, device=self.device)
                          for shape, dt in zip(self._shapes[msg.boundary], self._dtypes[msg.boundary]))
-            self._posted[msg] = (self.comm.irecv(bufs, self._peer_rank[peer], msg.tag), bufs)
-        self._next[peer] = max(start, upto)
-        return True
-
-    def _prefetch(self) -> None:
-        for msg in self._receives[self._consumed:self._consumed + self.prefetch]:
-            self._post_receives(self._peer(msg), self._index[msg] + 1)
+            self._posted[msg] = (self.comm.irecv(bufs, self._peer_rank[msg.src], msg.tag), bufs)
 
     def receive(self, a: ir.Action) -> tuple[torch.Tensor, ...]:
         """Wait for the message of receive action ``a``; its tensors."""
         msg = a.message(self.position)
-        if msg not in self._posted and not self._post_receives(msg.src, self._index[msg] + 1):
-            raise RuntimeError(f"{a} waits for a message that the wire order puts after a send of this "
-                               f"rank that has not happened yet: the schedule and its wire order disagree")
+        self._post(self.posting.receive(msg, msg in self._posted))
         req, bufs = self._posted.pop(msg)
         self.comm.wait(req, f"{a} from rank {self._peer_rank[a.peer]}")
-        self._consumed += 1
-        self._prefetch()
+        self._post(self.posting.consumed())
         return bufs
 
     def send(self, a: ir.Action, tensors: tuple[torch.Tensor, ...]) -> None:
         """Start sending ``tensors`` as the message of send action ``a`` (in the plan's dtypes),
         after posting every receive the wire order puts before it."""
         msg = a.message(self.position)
-        index = self._index[msg]
-        if index != self._next[a.peer] and not self._post_receives(a.peer, index):
-            raise RuntimeError(f"{a} comes before an earlier send to the same peer in the wire order: "
-                               f"the schedule and its wire order disagree")
+        self._post(self.posting.send(msg))
         data = tuple(t.detach().to(dt).contiguous() for t, dt in zip(tensors, self._dtypes[msg.boundary]))
         self._sends.append(self.comm.isend(data, self._peer_rank[a.peer], msg.tag))
-        self._next[a.peer] = index + 1
-        self._prefetch()
+        self._post(self.posting.after_send())
         self.progress()
 
     def progress(self) -> None:

@@ -32,6 +32,8 @@ class Progress:
         self.losses: list[float] = []
         self.peaks = [0] * comm.size       # process peak per rank (JSON lines)
         self.measured = [0] * comm.size    # tensor peak of the last step per rank (summary)
+        self.val_measured: list[int] = []  # ... and of the last validation (forward-only), if any
+        self.val_batch = 0
         self.skipped = 0
         self.total = total
         self._vec = torch.zeros(2 + 2 * comm.size, dtype=torch.float64)
@@ -86,6 +88,13 @@ class Progress:
             self.file.write(json.dumps({"step": step, "validation": _finite(scores)}) + "\n")
             self.file.flush()
 
+    def validation_memory(self, measured: int, batch_size: int) -> None:
+        """Every rank's measured tensor peak over the last validation, for the summary. COLLECTIVE."""
+        v = torch.zeros(self.comm.size, dtype=torch.float64)
+        v[self.comm.rank] = measured
+        self.comm.allreduce(v, None, "the validation memory allreduce")
+        self.val_measured, self.val_batch = [int(x) for x in v], batch_size
+
     def note(self, text: str) -> None:
         if self.rank0:
             (self.bar.write if not self.bar.disable else print)(f"gems-train: {text}")
@@ -120,6 +129,14 @@ class Progress:
             lines.append(f"    rank {rank} (position {rank % K}): {format_size(measured)} measured, "
                          f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
                          f"process peak {format_size(process)}")
+        if self.val_measured:
+            lines.append(f"  peak memory per rank over the last validation (forward-only, batches of {self.val_batch}) "
+                         "vs plan estimate:")
+            for rank, measured in enumerate(self.val_measured):
+                estimate = self.plan.forward_peak_bytes(rank % K, self.val_batch)
+                said = ("not estimated (the plan predates forward-only pricing)" if estimate is None else
+                        f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)})")
+                lines.append(f"    rank {rank} (position {rank % K}): {format_size(measured)} measured, {said}")
         lines.append("gems-train: done")
         print("\n".join(lines), flush=True)
 

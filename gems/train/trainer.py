@@ -94,6 +94,35 @@ def check_split(cfg: TrainConfig, topo: Topology) -> None:
                         f"use a multiple of {parts}")
 
 
+def check_validation_split(cfg: TrainConfig, topo: Topology) -> None:
+    """--val-batch-size must split like a training batch (forward-only steps run the same layout)."""
+    parts = topo.groups * sch.replicas(cfg.schedule) * cfg.micro_batches
+    if cfg.val_batch_size and cfg.val_batch_size % parts:
+        raise GemsError(f"--val-batch-size {cfg.val_batch_size} does not split into {topo.groups} group(s) x "
+                        f"{sch.replicas(cfg.schedule)} replica(s) x {cfg.micro_batches} micro-batch(es): "
+                        f"use a multiple of {parts}")
+
+
+def check_validation_memory(plan, batch_size: int) -> None:
+    """Validation's forward-only steps must fit the plan's budget too (``Plan.forward_peak_bytes``):
+    otherwise one sentence naming the largest --val-batch-size that fits."""
+    if plan.memory_budget is None or not plan.forward_bytes:
+        return
+    room = plan.memory_budget - plan.overhead_bytes
+
+    def worst(size: int) -> tuple[int, int]:
+        return max((plan.forward_peak_bytes(p, size), p) for p in range(plan.stages))
+    need, position = worst(batch_size)
+    if need <= room:
+        return
+    parts = plan.batch_size // plan.micro_batch_size      # groups x replicas x micro-batches
+    fitting = [size for size in range(parts, batch_size, parts) if worst(size)[0] <= room]
+    fix = (f"pass --val-batch-size {fitting[-1]}" if fitting else
+           f"even --val-batch-size {parts} does not fit: use more --stages or a larger budget")
+    raise GemsError(f"validation batches of {batch_size} images need {format_size(need)} on position {position} "
+                    f"(forward-only step), over the --memory-budget of {format_size(room)} for tensors: {fix}")
+
+
 def enforce_memory_budget(engine: Engine, budget: int) -> None:
     """Make ``budget`` a hard limit on this rank's memory (``--enforce-memory-budget``): an
     allocation beyond it fails, and the engine reports the failure as ``OutOfMemory``.
@@ -158,6 +187,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     cfg.validate()
     topo = Topology(comm.size, cfg.stages, cfg.schedule)
     check_split(cfg, topo)
+    check_validation_split(cfg, topo)
     group, position = topo.coords(comm.rank)
     held = topo.holds(position)
     data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group, task=cfg.task,
@@ -185,10 +215,16 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                         + (f" plus {format_size(plan.overhead_bytes)} besides tensors" if plan.overhead_bytes else "")
                         + "; try "
                         + (" or ".join(fixes) if fixes else "a larger budget") + ", or a smaller batch or image")
+    if validation is not None:
+        check_validation_memory(plan, validation.batch_size)
     if cfg.enforce_memory_budget and plan.memory_budget is None:
         raise GemsError("--enforce-memory-budget needs --memory-budget (or a --plan made with one)")
     if comm.rank == 0:
         print(f"gems-train: {split_line(cfg, topo)}", flush=True)
+        if validation is not None and plan.forward_bytes:
+            need, position = max((plan.forward_peak_bytes(p, validation.batch_size), p) for p in range(plan.stages))
+            print(f"gems-train: validation in batches of {validation.batch_size}, forward-only steps estimated at "
+                  f"{format_size(need)} at most (position {position})", flush=True)
     if cfg.dry_run:
         if comm.rank == 0:
             print(plan.table(), flush=True)
@@ -278,7 +314,11 @@ def run(job: Job) -> int:
                 return 1
             best = False
             if validation is not None and validation.due(step, total) and engine.last_step_applied:
+                if step == total:     # the summary sets the last validation's peak beside the plan's
+                    metrics.meter.start(memory.engine_tensors(engine))
                 scores = validation.run(engine, job.loss)
+                if step == total:
+                    metrics.validation_memory(metrics.meter.stop(), validation.batch_size)
                 metrics.validation(step, scores)
                 board.validation(step, scores, _overlays(validation, engine, data.num_classes))
                 best = validation.improved(scores)
