@@ -1,5 +1,6 @@
 """gems-train end to end: learning, data-parallel groups, folders with a corrupt file,
-bit-exact resume after a kill, torn checkpoint writes, preemption signals, bad input."""
+preemption signals, bad input. Kills -- of a rank mid-step or mid-checkpoint -- and the bit-exact
+resume after them are tests/test_faults.py's."""
 from __future__ import annotations
 
 import json
@@ -111,42 +112,6 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]
         _kill_tree(proc)
         pytest.fail("run did not end")
     return proc.returncode, out, err
-
-
-def test_resume_after_sigkill_reproduces_the_losses_bit_for_bit(tmp_path):
-    steps = 20
-    common = [*BASE, "--batch-size", "4", "--stages", "2", "--checkpoint-every", "3",
-              "--lr-schedule", "constant"]  # the learning rate must not depend on --steps here
-    run_mpi(2, TRAIN, *common, "--steps", steps, "--checkpoint-dir", tmp_path / "a",
-            "--metrics", tmp_path / "a.jsonl", timeout=240)
-    proc = launch([*common, "--checkpoint-dir", tmp_path / "b", "--metrics", tmp_path / "b.jsonl",
-                   "--steps", "400"])  # long, so the kill lands mid-run
-    wait_for_lines(tmp_path / "b.jsonl", 4, proc)
-    os.kill(ranks_of(proc)[-1], signal.SIGKILL)
-    code, _, _ = finish(proc)
-    assert code != 0
-    resumed = run_mpi(2, TRAIN, *common, "--steps", steps, "--checkpoint-dir", tmp_path / "b",
-                      "--metrics", tmp_path / "b.jsonl", "--resume", timeout=240)
-    start = int(resumed.stdout.split(" at step ")[1].split()[0])
-    assert start < steps, "the kill landed too late to test anything"
-    by_step = lambda path: {line["step"]: line["loss"] for line in map(json.loads, path.read_text().splitlines())}
-    a, b = by_step(tmp_path / "a.jsonl"), by_step(tmp_path / "b.jsonl")  # later lines (the resumed run) win
-    assert all(b[s] == a[s] for s in range(1, steps + 1)), (start, a, b)
-
-
-def test_a_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
-    ck = tmp_path / "ck"
-    args = [*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "4",
-            "--checkpoint-dir", ck, "--checkpoint-every", "1"]
-    proc = subprocess.run([sys.executable, str(DISTRIBUTED / "fault_worker.py"), *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GEMS_FAULT": "at=save,step=3"})  # torn shard of step 3
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    torn = ck / "step-00000003"
-    assert torn.is_dir() and not (torn / "manifest.json").exists()
-    result = single(*map(str, args), "--resume")
-    assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stdout and "step-00000002 at step 2" in result.stdout
 
 
 def test_sigusr1_saves_and_exits_with_code_3(tmp_path):
