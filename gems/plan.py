@@ -189,6 +189,12 @@ class Plan:
         return self.positions[position].static_bytes + -(-self.forward_bytes[position] * batch_size
                                                          // self.batch_size)
 
+    def forward_worst(self, batch_size: int) -> tuple[int, int] | None:
+        """(bytes, position) of the highest ``forward_peak_bytes`` over positions; None without figures."""
+        if not self.forward_bytes:
+            return None
+        return max((self.forward_peak_bytes(p, batch_size), p) for p in range(self.stages))
+
     # -- JSON ------------------------------------------------------------------------
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The plan as JSON text; also written to ``path`` when given. Fields added since plans were
@@ -298,7 +304,7 @@ class Plan:
             f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
         ]
         if self.forward_bytes:
-            need, position = max((self.forward_peak_bytes(p, self.batch_size), p) for p in range(self.stages))
+            need, position = self.forward_worst(self.batch_size)
             lines.append(f"forward-only steps (validation, prediction) of this batch: est. peak {format_size(need)} "
                          f"on position {position}")
         crossing = [s for s in range(self.stages - 1) if len(self.stage_output_shapes[s]) > 1]

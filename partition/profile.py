@@ -133,7 +133,7 @@ class _Run:
             self.copied.append(self.precision.copied - copied if self.precision else 0)
             fwd_flops.append(self.flops.get_total_flops())
             fwd_working.append(self.allocations.peak_since(start) + self.allocations.largest_operand)
-            eval_working.append(self._eval_working(i, unit, state, arg))
+            eval_working.append(self._eval_working(unit, state, arg))
             leaves.append(leaf)
             boundaries.append(_as_tuple(previous, f"unit {self.names[i]}"))
             self._check_batch(boundaries[-1], i)
@@ -190,8 +190,8 @@ class _Run:
                             input_dtypes=tuple(d for _, d, _ in shapes[0]), micro_batch_size=self.batch,
                             dtype=_dtype_name(self.dtype), optimizer=self.optimizer, storages=storages)
 
-    def _eval_working(self, i: int, unit: nn.Module, state: dict, arg: object) -> int:
-        """Unit ``i``'s new allocations in a forward-only step (eval mode, no_grad), on a copy of
+    def _eval_working(self, unit: nn.Module, state: dict, arg: object) -> int:
+        """The unit's new allocations in a forward-only step (eval mode, no_grad), on a copy of
         its input made outside the tracker (the training forward's input stays untouched)."""
         copy = tuple(t.detach().clone() for t in _as_tuple(arg, "a unit"))
         unit.eval()

@@ -109,14 +109,11 @@ def check_validation_memory(plan, batch_size: int) -> None:
     if plan.memory_budget is None or not plan.forward_bytes:
         return
     room = plan.memory_budget - plan.overhead_bytes
-
-    def worst(size: int) -> tuple[int, int]:
-        return max((plan.forward_peak_bytes(p, size), p) for p in range(plan.stages))
-    need, position = worst(batch_size)
+    need, position = plan.forward_worst(batch_size)
     if need <= room:
         return
     parts = plan.batch_size // plan.micro_batch_size      # groups x replicas x micro-batches
-    fitting = [size for size in range(parts, batch_size, parts) if worst(size)[0] <= room]
+    fitting = [size for size in range(parts, batch_size, parts) if plan.forward_worst(size)[0] <= room]
     fix = (f"pass --val-batch-size {fitting[-1]}" if fitting else
            f"even --val-batch-size {parts} does not fit: use more --stages or a larger budget")
     raise GemsError(f"validation batches of {batch_size} images need {format_size(need)} on position {position} "
@@ -222,7 +219,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     if comm.rank == 0:
         print(f"gems-train: {split_line(cfg, topo)}", flush=True)
         if validation is not None and plan.forward_bytes:
-            need, position = max((plan.forward_peak_bytes(p, validation.batch_size), p) for p in range(plan.stages))
+            need, position = plan.forward_worst(validation.batch_size)
             print(f"gems-train: validation in batches of {validation.batch_size}, forward-only steps estimated at "
                   f"{format_size(need)} at most (position {position})", flush=True)
     if cfg.dry_run:
