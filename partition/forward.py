@@ -32,12 +32,12 @@ import numpy as np
 
 from gems.pipeline import ir
 from gems.pipeline import schedule as schedules
-from gems.pipeline.posting import Posting
+from gems.pipeline.posting import PREFETCH, Posting
 from .records import ModelProfile
 
 
 def forward_bytes(profile: ModelProfile, schedule: str, K: int, m: int, cuts: list[int],
-                  prefetch: int = 2) -> list[int]:
+                  prefetch: int = PREFETCH) -> list[int]:
     """Per position, the most a forward-only step holds beyond static memory, per micro-batch of
     the profile's size: working memory of the forward running plus the messages alive then."""
     boundary = profile.boundary_bytes()                   # boundary[u] = bytes at unit u's input

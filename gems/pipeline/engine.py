@@ -39,7 +39,7 @@ from gems.pipeline.loss import LossScores, as_sum_loss, reciprocal
 from gems.pipeline.ir import describe_action
 from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
-from gems.pipeline.p2p import Messenger
+from gems.pipeline.p2p import PREFETCH, Messenger
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
 from gems.pipeline.topology import Topology
@@ -77,7 +77,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, plan, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  loss_fn: Callable, comm="mpi", device: torch.device | str | None = None,
-                 timeout: float = 300.0, prefetch: int = 2, clip_grad_norm: float | None = None,
+                 timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
         check_mode(batch_norm)
         if not isinstance(model, nn.Sequential):   # any nn.Module: the plan's chain of units

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from gems.pipeline import ir
-from gems.pipeline.posting import Posting
+from gems.pipeline.posting import PREFETCH, Posting  # noqa: F401 - PREFETCH: the engine's default
 from gems.pipeline.topology import Topology
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from gems.pipeline import ir
 
+# Receives posted ahead of need by default (``gems.Engine(prefetch=...)``); the planner prices this many.
+PREFETCH = 2
+
 
 class Posting:
     """Which receives one position has posted, as the wire order and ``prefetch`` allow: the
