@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Memory-aware pipeline training of CNNs on very large images (GEMS-MAST)",
     python_requires=">=3.10",
-    packages=["gems", "gems.cli", "gems.comm", "gems.graph", "gems.pipeline", "gems.obs", "gems.train", "gems.partition", "gems.models"],
+    packages=["gems", "gems.plan", "gems.cli", "gems.comm", "gems.graph", "gems.pipeline", "gems.obs", "gems.train", "gems.partition", "gems.models"],
     package_dir={"gems": "gems", "gems.partition": "partition", "gems.models": "models"},
     install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm", "tifffile"],
     extras_require={

@@ -265,7 +265,7 @@ def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: 
                     for r in ranks)
     stages = plan.stage_estimates
     costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
-                           param_bytes=[s.param_bytes for s in stages])
+                           param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan))
     predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer).step_time
     step = statistics.median(step_times)
     return ScheduleResult(

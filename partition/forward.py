@@ -6,8 +6,8 @@ position, while it computes one forward of stage [lo, hi), the device holds
 
     static     parameters, gradients, optimizer state and buffers of every stage it holds (they
                stay allocated between training steps, when validation runs);
-    working    the forward of one unit u at a time: everything alive at u's input (the boundary
-               bytes B[u]: with a traced model, skips included) plus u's new allocations under
+    working    the forward of one unit u at a time: everything alive at u's input (the stage's
+               inputs and what crosses into u, skips the stage reads included) plus u's new allocations under
                no_grad (``UnitProfile.eval_working``); the largest over the stage's units. At the
                last stage, the scores' work on the output is added as two copies of it
                (log-probabilities and one temporary of their size);
@@ -33,31 +33,47 @@ import numpy as np
 from gems.pipeline import ir
 from gems.pipeline import schedule as schedules
 from gems.pipeline.posting import PREFETCH, Posting
+from gems.pipeline.routes import Routes
 from .records import ModelProfile
 
 
-def forward_bytes(profile: ModelProfile, schedule: str, K: int, m: int, cuts: list[int],
+def forward_bytes(profile: ModelProfile, schedule: str, K: int, m: int, cuts: list[int], routes: Routes,
                   prefetch: int = PREFETCH) -> list[int]:
     """Per position, the most a forward-only step holds beyond static memory, per micro-batch of
-    the profile's size: working memory of the forward running plus the messages alive then."""
-    boundary = profile.boundary_bytes()                   # boundary[u] = bytes at unit u's input
+    the profile's size: working memory of the forward running plus the messages alive then
+    (``routes``: the plan's edges, skip connections included, whose packed buffers they are)."""
     eval_working = np.array([u.eval_working for u in profile.units], dtype=np.float64)
     working = []
     for s in range(K):
         lo, hi = cuts[s], cuts[s + 1]
-        work = float(np.max(boundary[lo:hi] + eval_working[lo:hi]))
+        work = float(np.max(_alive(profile, lo, hi) + eval_working[lo:hi]))
         if s == K - 1:
             work += 2 * profile.units[-1].output_bytes   # the scores on the model's output
         working.append(work)
-    sizes = {b: float(boundary[cuts[b + 1]]) for b in range(K - 1)}   # message bytes per boundary
-    lists = schedules.forward_only(schedule, K, m)
+    sizes = routes.message_bytes(profile.micro_batch_size)            # per edge
+    lists = schedules.forward_only(schedule, K, m, routes.skips)
     alive = _messages_alive(lists, sizes, prefetch)
     return [int(max(((alive[p][i] + working[a.stage]) for i, a in enumerate(actions) if a.op == ir.FORWARD),
                     default=0.0))
             for p, actions in enumerate(lists)]
 
 
-def _messages_alive(lists: list[list[ir.Action]], sizes: dict[int, float], prefetch: int) -> list[dict[int, float]]:
+def _alive(profile: ModelProfile, lo: int, hi: int) -> np.ndarray:
+    """Per unit u of stage [lo, hi): bytes alive at u's input in a forward-only pass -- the
+    stage's inputs (held until its forward ends) and what crosses into u, of what the stage
+    touches (a skip connection passing by never reaches it)."""
+    alive = np.zeros(hi - lo)
+    for st in profile.storages:
+        if st.boundaries and any(lo <= u < hi for u in st.touchers()):
+            if (lo - 1) in st.boundaries:
+                alive += st.nbytes
+            else:
+                alive += st.nbytes * np.isin(np.arange(lo - 1, hi - 1), st.boundaries)
+    return alive
+
+
+def _messages_alive(lists: list[list[ir.Action]], sizes: dict[tuple[int, int], int],
+                    prefetch: int) -> list[dict[int, float]]:
     """Per position, per index of a forward in its list: bytes of messages that may be alive then."""
     clocks = _clocks(lists)
     consumed_at = {a.message(p): i for p, actions in enumerate(lists)
@@ -70,9 +86,9 @@ def _messages_alive(lists: list[list[ir.Action]], sizes: dict[int, float], prefe
         for i, a in enumerate(actions):
             if a.op == ir.FORWARD:
                 # a send is done once its consumption happens-before this forward (clock > index)
-                sending = sum(sizes[msg.boundary] for j, msg in sends
+                sending = sum(sizes[msg.edge] for j, msg in sends
                               if j < i and clocks[p][i][msg.dst] <= consumed_at[msg])
-                alive[i] = sum(sizes[msg.boundary] for msg in posted[i]) + sending
+                alive[i] = sum(sizes[msg.edge] for msg in posted[i]) + sending
         result.append(alive)
     return result
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
-from gems.graph import balance_at, graph_units
+from gems.graph import balance_at, graph_units, stage_routes
+from gems.pipeline.routes import Routes
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
@@ -141,7 +142,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     rate = float(device_flops * efficiency)
     policies = PolicyModel(prof, device, *unit_seconds(prof, rate, unit_times), bandwidth)
     allowed = kinds(recompute, offload, device, budget is not None)
-    job = _Job(prof, policies, name, shape, batch_size, groups, budget, rate, overhead, amp)
+    job = _Job(prof, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp)
     costs = CostModel(prof, schedule, K, m, unit_times, policies, allowed[0])
     cuts, loads = _cut(costs, balance_by, cuts)
     result = job.assemble(costs, cuts, loads, balance_by, _uniform(policies, costs, cuts, allowed[0]))
@@ -199,10 +200,10 @@ class _Job:
     """What every candidate plan shares: the profile, its policy prices, the request. ``room``:
     the part of the budget left for tensors once ``overhead`` is counted."""
 
-    def __init__(self, prof: ModelProfile, policies: PolicyModel, name: str, shape: tuple[int, ...],
-                 batch_size: int, groups: int, budget: int | None, rate: float, overhead: dict[str, int],
-                 amp: str) -> None:
-        self.prof, self.policies, self.name, self.shape = prof, policies, name, shape
+    def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
+                 shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
+                 overhead: dict[str, int], amp: str) -> None:
+        self.prof, self.units, self.policies, self.name, self.shape = prof, units, policies, name, shape
         self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
         self.overhead, self.amp = overhead, amp
         self.room = None if budget is None else budget - sum(overhead.values())
@@ -211,6 +212,11 @@ class _Job:
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
                  policies: list[StagePolicy]) -> Plan:
         K, units, prices = costs.K, self.prof.units, self.policies
+        shapes = [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)]
+        dtypes = [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)]
+        routes = [[list(r) for r in route] for route in stage_routes(self.units, cuts)]
+        edges = Routes(routes, shapes, dtypes)
+        sent = edges.message_bytes(self.prof.micro_batch_size)   # per edge: packed forward message
         stage_estimates, on = [], []
         for s in range(K):
             lo, hi = cuts[s], cuts[s + 1]
@@ -222,7 +228,9 @@ class _Job:
                 param_bytes=sum(u.param_bytes for u in part), grad_bytes=sum(u.grad_bytes for u in part),
                 optimizer_bytes=sum(u.optimizer_bytes for u in part), buffer_bytes=sum(u.buffer_bytes for u in part),
                 activation_bytes=mem.kept, transient_bytes=int(self.working[lo, hi]),
-                input_bytes=units[lo - 1].output_bytes if lo > 0 else 0, output_bytes=units[hi - 1].output_bytes,
+                input_bytes=sum(b for (_, j), b in sent.items() if j == s),
+                output_bytes=sum(b for (i, _), b in sent.items() if i == s),
+                sends=[[j, b] for (i, j), b in sent.items() if i == s],
                 forward_flops=sum(u.forward_flops for u in part), backward_flops=sum(u.backward_flops for u in part),
                 plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
                 extra_seconds=sum(c.seconds for c in on[s].values())))
@@ -255,14 +263,13 @@ class _Job:
             schedule=costs.schedule, micro_batches=costs.m, balance_by=balance_by, optimizer=self.prof.optimizer,
             dtype=self.prof.dtype, memory_budget=self.budget, micro_batch_size=self.prof.micro_batch_size,
             cuts=list(cuts), unit_names=[u.name for u in units],
-            stage_output_shapes=[list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)],
-            stage_output_dtypes=[list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)],
+            stage_output_shapes=shapes, stage_output_dtypes=dtypes,
             stage_estimates=stage_estimates, positions=positions,
             load_unit={"memory": "B", "flops": "FLOP"}.get(balance_by, costs.time_unit),
             imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
             device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
             device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
-            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts)))
+            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges), routes=routes)
         if any(p.kind != "none" for p in policies):
             def step(costs_of_plan) -> float:
                 return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups).step_time

@@ -107,6 +107,7 @@ class PolicyModel:
                 self.crossing[b + 1].append(i)
         # A segment starts for free at unit a when a saves all it receives anyway (ResNet blocks do).
         self.free_start = [a > 0 and all(a in profile.storages[i].savers for i in self.crossing[a]) for a in range(n)]
+        self.touchers = [s.touchers() for s in profile.storages]
         self._matrices: dict[str, np.ndarray] = {}
 
     # -- natural segments, every [lo, hi) at once: for the solver --------------------------
@@ -202,12 +203,12 @@ class PolicyModel:
     # -- one stage, exactly ---------------------------------------------------------------
     def memory(self, lo: int, hi: int, policy: StagePolicy) -> StageMemory:
         """Bytes of stage [lo, hi) under ``policy``, from the storages (module docstring)."""
-        boundary = set(self.crossing[lo]) | set(self.crossing[hi])
+        boundary = self._held(lo, hi, lo) | self._held(lo, hi, hi)
         in_segment = np.zeros(hi - lo, dtype=bool)
         retained = set(boundary)
         for a, b in policy.recompute:
             in_segment[a - lo:b - lo] = True
-            retained.update(self.crossing[a])
+            retained.update(self._held(lo, hi, a))
         everything = set(boundary)
         for u in range(lo, hi):
             everything.update(self.saved_by[u])
@@ -224,7 +225,7 @@ class PolicyModel:
                 for i in self.saved_by[u]:
                     held_from.setdefault(i, u)
         for a, _ in policy.recompute:
-            for i in self.crossing[a]:
+            for i in self._held(lo, hi, a):
                 held_from[i] = min(held_from.get(i, a), a)
         largest = max((self._bytes(boundary | {i for i in retained if held_from.get(i, lo) < b})
                        + self._bytes({i for u in range(a, b) for i in self.saved_by[u]} - retained)
@@ -234,6 +235,11 @@ class PolicyModel:
         kept_bytes = self._bytes(kept)
         return StageMemory(plain=self._bytes(everything), kept=kept_bytes,
                            back=self._bytes(retained) - kept_bytes, remat=remat)
+
+    def _held(self, lo: int, hi: int, a: int) -> set[int]:
+        """The storages crossing into unit ``a`` (``a = hi``: out of the stage) that stage [lo, hi)
+        holds: those it makes, reads or saves; a skip connection passing by is not sent to it."""
+        return {i for i in self.crossing[a] if any(lo <= u < hi for u in self.touchers[i])}
 
     def _bytes(self, storages: set[int]) -> int:
         return int(self.nbytes[list(storages)].sum()) if storages else 0
@@ -247,11 +253,11 @@ class PolicyModel:
         if hi - lo == 1:
             return natural
         hidden = offload and self.offload_works
-        ends = set(self.crossing[lo]) | set(self.crossing[hi])
+        ends = self._held(lo, hi, lo) | self._held(lo, hi, hi)
         D = self._bytes(ends)
         # f (D + S) + M, or offloaded f D + S + M (the inputs come back one micro-batch at a time)
         terms = [(1.0 if hidden else float(h.in_flight), True, float(h.in_flight * D)) for h in holders]
-        start_cost = [self._bytes(set(self.crossing[lo + j]) - ends) for j in range(hi - lo)]
+        start_cost = [self._bytes(self._held(lo, hi, lo + j) - ends) for j in range(hi - lo)]
         remat = self._remat()[lo:hi + 1, lo:hi + 1]
         chosen = StagePolicy([[lo + a, lo + b] for a, b in best_segments(start_cost, remat, terms)], offload)
         # The DP prices approximately; the exact prices decide. Natural segments and one segment
@@ -290,7 +296,7 @@ class PolicyModel:
         ``MIN_OFFLOAD_BYTES`` or more that units outside recompute segments save."""
         segmented = {u for a, b in policy.recompute for u in range(a, b)}
         saved = {i for u in range(lo, hi) if u not in segmented for i in self.saved_by[u]}
-        output = set(self.crossing[hi]) - set(self.crossing[lo])     # skips passing through are inputs
+        output = self._held(lo, hi, hi) - set(self.crossing[lo])     # skips passing through are inputs
         return self._bytes({i for i in output & saved if self.nbytes[i] >= MIN_OFFLOAD_BYTES})
 
     def peak(self, lo: int, hi: int, policy: StagePolicy, holders: Sequence[Holder]) -> int:

@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
+from gems.graph import READS
 from .records import ModelProfile, Storage, UnitProfile
 from .tracking import Allocations, Precision, StorageKeys, storage_bytes, tensor_bytes
 
@@ -209,9 +210,13 @@ class _Run:
 
     def _storages(self, boundary_keys: list[list[int]], nbytes: dict[int, int]) -> list[Storage]:
         crossings: dict[int, set[int]] = {}
+        readers: dict[int, set[int]] = {}     # units that read a storage they take (not merely pass on)
         for b, keys in enumerate(boundary_keys):
-            for key in keys:
+            reads = getattr(self.units[b], "meta", {}).get(READS) if b < len(self.units) else ()
+            for q, key in enumerate(keys):
                 crossings.setdefault(key, set()).add(b - 1)
+                if reads is None or q in reads:
+                    readers.setdefault(key, set()).add(b)
         keys = list(self.saved) + [k for k in crossings if k not in self.saved]
 
         def size(k: int) -> int:
@@ -221,7 +226,7 @@ class _Run:
             return full
         copies = [Storage(nbytes=n, savers=(u,), boundaries=()) for u, n in enumerate(self.copied) if n]
         return [Storage(nbytes=size(k), savers=tuple(sorted(self.saved[k][1])) if k in self.saved else (),
-                        boundaries=tuple(sorted(crossings.get(k, ()))))
+                        boundaries=tuple(sorted(crossings.get(k, ()))), readers=tuple(sorted(readers.get(k, ()))))
                 for k in keys] + copies
 
     def _detached(self, previous: torch.Tensor | tuple) -> tuple[tuple[torch.Tensor, ...], object]:

@@ -12,10 +12,14 @@ A stage [lo, hi) keeps, per micro-batch in flight, every storage that is
 
     saved by a unit inside the stage  |  or its input boundary  |  or its output boundary
 
-counted once. The input boundary stays alive because the runtime keeps the received input
-for the backward pass; the output boundary because backward starts from it. A storage
-saved by a unit of the stage but made before the stage can only have reached the stage
-through the input boundary, so the three sets describe exactly what the stage holds.
+counted once, where a boundary storage counts only if the stage *touches* it: makes it, reads
+it or saves it. The input boundary stays alive because the runtime keeps the received input
+for the backward pass; the output boundary because backward starts from it. A storage the
+stage does not touch -- a skip connection passing by -- never reaches it: it travels straight
+from the stage that makes it to the stages that read it (``gems.graph.routes``), so it is
+counted on those alone. A storage saved by a unit of the stage but made before the stage can
+only have reached the stage through the input boundary, so these sets describe exactly what
+the stage holds.
 ``ModelProfile.activation_matrix()`` evaluates this for all (lo, hi) at once, and
 ``segment_bytes`` for any list of storages (the memory policies price what they keep with it).
 """
@@ -56,12 +60,21 @@ class UnitProfile:
 class Storage:
     """A storage some unit saves for backward or passes on across a unit boundary.
 
-    ``boundaries`` holds b for "in the output of unit b" (b = -1: the model input).
+    ``boundaries`` holds b for "in the output of unit b" (b = -1: the model input); ``readers``
+    the units that read it as an input (None: every unit whose input it is, as for a plain
+    ``nn.Sequential``, whose stages take their neighbour's whole output).
     """
 
     nbytes: int
     savers: tuple[int, ...]
     boundaries: tuple[int, ...]
+    readers: tuple[int, ...] | None = None
+
+    def touchers(self) -> list[int]:
+        """The units that make, read or save it: a stage holds it only if it has one of them."""
+        made = max(min(self.boundaries), 0) if self.boundaries else None
+        readers = self.readers if self.readers is not None else [b + 1 for b in self.boundaries]
+        return sorted({*self.savers, *readers, *([made] if made is not None else [])})
 
 
 @dataclass
@@ -84,8 +97,8 @@ class ModelProfile:
     def activation_bytes(self, lo: int, hi: int) -> int:
         """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""
         return sum(s.nbytes for s in self.storages
-                   if (lo - 1) in s.boundaries or (hi - 1) in s.boundaries
-                   or any(lo <= u < hi for u in s.savers))
+                   if ((lo - 1) in s.boundaries or (hi - 1) in s.boundaries or any(lo <= u < hi for u in s.savers))
+                   and any(lo <= u < hi for u in s.touchers()))
 
     def activation_matrix(self) -> np.ndarray:
         """A[lo, hi] = activation_bytes(lo, hi) for all 0 <= lo < hi <= n (float64, 0 elsewhere)."""
@@ -106,25 +119,29 @@ class ModelProfile:
         [lo, hi) rises above ``activation_bytes(lo, hi)`` (its temporaries and gradients).
 
         While unit u runs forward, the stage holds A[lo, u] (what units lo..u-1 keep, and u's
-        input) plus u's new allocations. While u runs backward, what units after u saved is
-        freed: the stage holds what units lo..u saved, its input and its output, plus u's
-        gradients and temporaries. The peak is the max over u of both.
+        input) plus u's new allocations, plus the inputs of the stage that only later units read
+        (I[lo, hi] - I[lo, u]: received before the stage starts). While u runs backward, what
+        units after u saved is freed: the stage holds what units lo..u saved, its input and its
+        output, plus u's gradients and temporaries. The peak is the max over u of both.
         """
         if self._working is None:
+            n = len(self.units)
             A = self.activation_matrix()
-            S = segment_bytes(len(self.units), self.storages, with_output=False)
-            B = self.boundary_bytes()
+            S = segment_bytes(n, self.storages, terms=("saved", "input"))
+            I = segment_bytes(n, self.storages, terms=("input",))   # noqa: E741 - the stage's inputs
+            O = segment_bytes(n, self.storages, terms=("output",))  # noqa: E741 - its outputs
             fwd = np.array([u.forward_working for u in self.units], dtype=np.float64)
             bwd = np.array([u.backward_working for u in self.units], dtype=np.float64)
-            n = len(self.units)
             W = np.zeros((n + 1, n + 1))
             for lo in range(n):
-                before = np.concatenate([[B[lo]], A[lo, lo + 1:n]])      # A[lo, u] for u = lo..n-1
+                # A[lo, u] - I[lo, u] for u = lo..n-1, the inputs added back per hi below
+                before = np.concatenate([[0.0], A[lo, lo + 1:n] - I[lo, lo + 1:n]])
                 after = A[lo, lo + 1:]                                   # A[lo, u + 1], i.e. A[lo, hi]
-                forward = np.maximum.accumulate(before + fwd[lo:])
+                forward = np.maximum.accumulate(before + fwd[lo:]) + I[lo, lo + 1:]
                 backward = after + bwd[lo:]                             # u = hi - 1
-                inner = np.maximum.accumulate(S[lo, lo + 1:] + bwd[lo:])  # u < hi - 1, plus the output:
-                backward[1:] = np.maximum(backward[1:], inner[:-1] + B[lo + 2:])
+                # u < hi - 1, plus the stage's inputs and outputs
+                inner = np.maximum.accumulate(S[lo, lo + 1:] - I[lo, lo + 1:] + bwd[lo:])
+                backward[1:] = np.maximum(backward[1:], inner[:-1] + I[lo, lo + 2:] + O[lo, lo + 2:])
                 W[lo, lo + 1:] = np.maximum(np.maximum(forward, backward) - after, 0.0)
             self._working = W
         return self._working
@@ -135,9 +152,11 @@ class ModelProfile:
         return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
 
-def segment_bytes(n: int, storages: Sequence[Storage], with_output: bool = True) -> np.ndarray:
+def segment_bytes(n: int, storages: Sequence[Storage],
+                  terms: Sequence[str] = ("saved", "input", "output")) -> np.ndarray:
     """Vectorised ``ModelProfile.activation_bytes`` of these storages for every segment of n
-    units (without the output boundary when ``with_output`` is False).
+    units, counting only some of its terms: storages saved inside, the input boundary, the
+    output boundary (each counted once, boundaries only where the segment touches them).
 
     A storage that never crosses a boundary is saved only by the unit that made it, so it
     adds to every segment containing that unit (prefix sums). The few storages that cross
@@ -149,20 +168,28 @@ def segment_bytes(n: int, storages: Sequence[Storage], with_output: bool = True)
     hi = np.arange(n + 1)[None, :]
     for s in storages:
         if not s.boundaries:
-            for u in s.savers:
-                internal[u] += s.nbytes
+            if "saved" in terms:
+                for u in s.savers:
+                    internal[u] += s.nbytes
             continue
         # next_saver[lo] = first saver >= lo (n + 1 when none): saved inside iff it is < hi.
         next_saver = np.full(n + 1, n + 1)
         for u in sorted(s.savers, reverse=True):
             next_saver[: u + 1] = u
+        next_toucher = np.full(n + 1, n + 1)
+        for u in sorted(s.touchers(), reverse=True):
+            next_toucher[: u + 1] = u
         bounds = np.zeros(n + 1, dtype=bool)
         for b in s.boundaries:
             bounds[b + 1] = True  # boundary b is the input of segment lo = b+1 and output of hi = b+1
-        mask = bounds[:, None] | (next_saver[:, None] < hi)
-        if with_output:
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        if "input" in terms:
+            mask |= bounds[:, None]
+        if "saved" in terms:
+            mask |= next_saver[:, None] < hi
+        if "output" in terms:
             mask |= bounds[None, :]
-        out += s.nbytes * mask
+        out += s.nbytes * (mask & (next_toucher[:, None] < hi))
     prefix = np.concatenate([[0.0], np.cumsum(internal)])
     out += prefix[None, :] - prefix[:, None]
     out[lo >= hi] = 0.0

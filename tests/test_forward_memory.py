@@ -26,7 +26,7 @@ SIZE = 1000.0   # bytes of every message in the layouts below
 
 def alive(name: str, K: int, m: int, prefetch: int = 2) -> list[list[float]]:
     lists = sch.forward_only(name, K, m)
-    result = _messages_alive(lists, dict.fromkeys(range(K - 1), SIZE), prefetch)
+    result = _messages_alive(lists, {(b, b + 1): SIZE for b in range(K - 1)}, prefetch)
     return [[result[p][i] for i in sorted(result[p])] for p in range(K)]
 
 

@@ -45,9 +45,10 @@ ALLOWED = {
                         "gems.partition", "gems.train", "gems.bench"},
 }
 # The planner may use the pipeline's pure parts only (never the executor or the engine).
-PARTITION_MAY_USE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",
-                     "gems.pipeline.simulate", "gems.pipeline.topology", "gems.pipeline.posting"}
-PURE = PARTITION_MAY_USE    # schedule modules: no torch
+PURE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",   # schedule modules: no torch
+        "gems.pipeline.simulate", "gems.pipeline.topology", "gems.pipeline.posting"}
+# and the message layouts, so the planner prices the very buffers the runtime packs
+PARTITION_MAY_USE = PURE | {"gems.pipeline.routes", "gems.pipeline.packing"}
 MAX_LINES, ENGINE_MAX_LINES = 400, 300
 
 

@@ -38,10 +38,11 @@ from collections.abc import Iterable, Sequence
 from torch import fx, nn
 
 from gems.errors import GemsError
-from .split import INPLACE_INPUTS, fold_constants, split
+from .routes import UNREAD, stage_routes
+from .split import INPLACE_INPUTS, READS, fold_constants, split
 from .trace import TRACING, VALUE, Tracer, untraceable
 
-__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "INPLACE_INPUTS"]
+__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "stage_routes", "INPLACE_INPUTS", "READS", "UNREAD"]
 
 
 class GraphUnits(nn.Sequential):

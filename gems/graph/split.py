@@ -14,6 +14,9 @@ from gems.errors import GemsError
 
 # GraphModule.meta key (kept by deepcopy): positions of a unit's inputs that some unit writes in place
 INPLACE_INPUTS = "gems_inplace_inputs"
+# GraphModule.meta keys: the names of the values a unit takes (its input tuple, in order) and the
+# positions among them its own computation reads (the others it only passes on)
+LIVE_IN, READS = "gems_live_in", "gems_reads"
 _CONSTANT_TYPES = (int, float, bool, type(None), str)
 
 
@@ -84,6 +87,11 @@ def split(gm: fx.GraphModule, values: dict[fx.Node, object]) -> tuple[list[fx.Gr
         live_out = [] if last else [n for n in [*live_in, *group] if last_use[n] > end]
         units.append(_unit(gm, group, live_in, live_out, output if last else None, static))
         units[-1].meta[INPLACE_INPUTS] = tuple(i for i, n in enumerate(live_in) if n in written)
+        units[-1].meta[LIVE_IN] = tuple(n.name for n in live_in)
+        read = {a for n in group for a in n.all_input_nodes}
+        if last:
+            read.update(output.all_input_nodes)
+        units[-1].meta[READS] = tuple(i for i, n in enumerate(live_in) if n in read)
         names.append(_name(group))
         live_in = live_out
     return units, _unique(names)

@@ -34,21 +34,23 @@ KINDS = {sch.FORWARD: "forward", sch.BACKWARD: "backward", sch.RECV_ACT: "recv w
          sch.SEND_ACT: "send", sch.SEND_GRAD: "send", sch.SYNC: "sync", sch.STEP: "optimizer"}
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "recv wait": "#c44e52", "send": "#8c8c8c",
            "sync": "#8172b2", "optimizer": "#ccb974"}
-_LABEL = re.compile(r"^(?P<op>\w+) (?P<replica>[du])(?P<micro>\d+)\.s(?P<stage>\d+)(?: @(?P<peer>\d+))?$")
+_LABEL = re.compile(r"^(?P<op>\w+) (?P<replica>[du])(?P<micro>\d+)\.s(?P<stage>\d+)(?:[<>]s(?P<other>\d+))?"
+                    r"(?: @(?P<peer>\d+))?$")
 
 Span = tuple[str, float, float]   # (label, start s, end s) from the step's start, as Engine.timeline()
 
 
 def parse(label: str) -> dict:
     """The parts of an action label: op, and for per-micro-batch actions replica ("down"/"up"),
-    micro, stage and (messages) peer position."""
+    micro, stage and (messages) peer position, and the stage at the other end of a skip edge."""
     match = _LABEL.match(label)
     if match is None:
         return {"op": label}
     parts: dict = {"op": match["op"], "replica": "down" if match["replica"] == "d" else "up",
                    "micro": int(match["micro"]), "stage": int(match["stage"])}
-    if match["peer"] is not None:
-        parts["peer"] = int(match["peer"])
+    for part in ("other", "peer"):
+        if match[part] is not None:
+            parts[part] = int(match[part])
     return parts
 
 

@@ -40,6 +40,7 @@ from gems.pipeline.ir import describe_action
 from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
 from gems.pipeline.p2p import PREFETCH, Messenger
+from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
 from gems.pipeline.topology import Topology
@@ -99,8 +100,8 @@ class Engine:
         self.K, self.m = plan.stages, plan.micro_batches
         self.topology = Topology(comm.size, self.K, plan.schedule)
         self.group, self.position = self.topology.coords(comm.rank)
-        lists = sch.schedule(plan.schedule, self.K, self.m)
-        self.actions = lists[self.position]
+        routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
+        self.actions = (lists := sch.schedule(plan.schedule, self.K, self.m, routes.skips))[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         graph = isinstance(model, GraphUnits)
@@ -118,15 +119,14 @@ class Engine:
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm)
         self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])
         self.grads.keep_grads_in_bucket(self.optimizer)
-        messenger = Messenger(comm, self.topology, lists, self.position, plan.stage_output_shapes,
-                              plan.stage_output_dtypes, batches.rows_per_micro, self.device, prefetch)
+        messenger = Messenger(comm, self.topology, lists, self.position, routes, batches.rows_per_micro,
+                              self.device, prefetch)
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
         # (replica, micro) of the micro-batches whose loss this rank computes (their normalisers)
         self._losses_here = [(a.replica, a.micro) for a in self.actions
                              if a.op == sch.FORWARD and a.stage == self.K - 1]
-        self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger,
-                                 self.grads, self.loss_fn, autocast, self.device)
-        self.executor.optimizer = self.optimizer
+        self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
+                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer)
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras)
 
     @property

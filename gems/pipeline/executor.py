@@ -1,11 +1,13 @@
 """The action loop: runs one position's action list for one step.
 
-- forward: the stage input is the data (stage 0) or a received message; received tensors get
-  ``requires_grad`` so their gradient can be sent upstream; the stage runs under its memory
+- forward: the stage input is the data (stage 0) or assembled from the messages of its incoming
+  edges (``gems.pipeline.routes``: its neighbour's and any skip connection's); received tensors
+  whose gradient goes back get ``requires_grad``; the stage runs under its memory
   policy (``StageRunner``); on the last stage the loss's sums are divided by the step's global
   normalisers (``inverse``, set by the engine before the step; ``gems.pipeline.loss``);
-- backward: autograd from the loss or from the received output gradient; the input gradient
-  is kept for the send that follows. What its forward offloaded is prefetched as the compute
+- backward: autograd from the loss or from the output gradients received on its outgoing edges
+  (summed where several stages read one output); the input gradients are kept, per incoming
+  edge, for the sends that follow. What its forward offloaded is prefetched as the compute
   action before it begins (``schedule.prefetch_points``), so the copy back runs beside that action;
 - send / recv: through the ``Messenger``; sync / step: through ``GradSync``.
 
@@ -21,6 +23,7 @@ from gems.pipeline.batches import MicroBatches
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.loss import SumLoss
 from gems.pipeline.p2p import Messenger
+from gems.pipeline.routes import Routes
 from gems.pipeline.schedule import prefetch_points
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.timing import ActionTimer
@@ -30,27 +33,29 @@ Key = tuple[int, int, int]   # (replica, micro-batch, stage)
 
 class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
-                 waiting: set[Key], batches: MicroBatches, messenger: Messenger, grads: GradSync,
-                 loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device) -> None:
+                 waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
+                 grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
+        self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
         self.inverse = torch.ones(1, device=device)   # 1 / global normaliser per loss term
         self.timer = ActionTimer(device)
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer = optimizer
         self.current: ir.Action | None = None   # the action running (for error reports)
         self.loss = torch.zeros(1, dtype=torch.float64, device=device)
         self.applied, self.global_loss = True, 0.0
-        self._stash: dict[Key, tuple] = {}          # forward's (inputs, outputs) until its backward
-        self._input_grads: dict[Key, tuple] = {}    # backward's input gradients until their send
-        self._inbox: dict[tuple, tuple[torch.Tensor, ...]] = {}   # received, not yet consumed
+        self._stash: dict[Key, tuple] = {}          # forward's (received per edge, outputs) until its backward
+        self._input_grads: dict[tuple, tuple] = {}  # backward's input gradients (key, edge) until their send
+        self._inbox: dict[tuple, dict] = {}         # (op, key) -> {edge: tensors} received, not yet consumed
         self._images: torch.Tensor | None = None
         self._labels: torch.Tensor | None = None
         self._prefetch = prefetch_points(actions)
         self._run = {ir.FORWARD: self._forward, ir.BACKWARD: self._backward,
                      ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
-                     ir.SEND_ACT: lambda a: messenger.send(a, self._stash[_key(a)][1]),
-                     ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop(_key(a))),
+                     ir.SEND_ACT: lambda a: messenger.send(a, routes.sent(self._edge(a), self._stash[_key(a)][1])),
+                     ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop((_key(a), self._edge(a)))),
                      ir.SYNC: self._sync, ir.STEP: self._step}
 
     def run(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> None:
@@ -72,19 +77,24 @@ class Executor:
             timer.span(str(a), start, now())
         self._images = self._labels = None
 
+    def _edge(self, a: ir.Action) -> tuple[int, int]:
+        return a.message(self.messenger.position).edge
+
     def _receive(self, a: ir.Action) -> None:
-        self._inbox[(a.op, a.replica, a.micro, a.stage)] = self.messenger.receive(a)
+        self._inbox.setdefault((a.op, _key(a)), {})[self._edge(a)] = self.messenger.receive(a)
 
     def _forward(self, a: ir.Action) -> None:
         rows = self.batches.rows(a.replica, a.micro)
+        key = _key(a)
+        received: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         if a.stage == 0:
             inputs = (self._images[rows].to(self.device, non_blocking=True),)
         else:
-            inputs = self._inbox.pop((ir.RECV_ACT, a.replica, a.micro, a.stage))
-            for t in inputs:
-                if t.is_floating_point():
-                    t.requires_grad_(True)
-        key = _key(a)
+            received = self._inbox.pop((ir.RECV_ACT, key))
+            for edge, tensors in received.items():
+                for t, grad in zip(tensors, self.routes.edges[edge].grads):
+                    t.requires_grad_(grad)
+            inputs = self.routes.assemble(a.stage, received, self.device)
         runner = self.runners[a.stage]
         # A received tensor is a leaf; a unit that writes one in place (ReLU(inplace=True) first
         # thing in a stage) gets a copy, through which the gradient still reaches the leaf.
@@ -99,21 +109,19 @@ class Executor:
             loss = (terms.reshape(-1) * self.inverse.to(terms.dtype)).sum()
             self.loss += loss.detach()
             out = (loss,)
-        self._stash[key] = (inputs, out)
+        self._stash[key] = (received, out)
 
     def _backward(self, a: ir.Action) -> None:
         key = _key(a)
-        inputs, out = self._stash.pop(key)
+        received, out = self._stash.pop(key)
         if a.stage == self.last_stage:
             torch.autograd.backward(out)
         else:
-            grads = self._inbox.pop((ir.RECV_GRAD, a.replica, a.micro, a.stage))
-            pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
+            pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, key)))
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if a.stage > 0:
-            self._input_grads[key] = tuple(x.grad if x.grad is not None else torch.zeros_like(x)
-                                           for x in inputs)
+        for edge, tensors in received.items():
+            self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors)
 
     def _sync(self, a: ir.Action) -> None:
         self.messenger.finish_sends()

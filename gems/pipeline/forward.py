@@ -21,6 +21,7 @@ from gems.pipeline import ir
 from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.p2p import Messenger
+from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.topology import Topology
 
@@ -36,12 +37,18 @@ class Forwards:
                  autocast: torch.dtype | None, prefetch: int) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
-        lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches)
+        self.routes = Routes.of(plan)
+        lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips)
         self.actions = lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
-        self.messenger = Messenger(comm, topology, lists, position, plan.stage_output_shapes,
-                                   plan.stage_output_dtypes, self.batches.rows_per_micro, device, prefetch)
+        self.messenger = Messenger(comm, topology, lists, position, self.routes, self.batches.rows_per_micro,
+                                   device, prefetch)
+        self._sends: dict[tuple[int, int, int], int] = {}   # key -> sends of its output in a step
+        for a in self.actions:
+            if a.op == ir.SEND_ACT:
+                key = (a.replica, a.micro, a.stage)
+                self._sends[key] = self._sends.get(key, 0) + 1
         self.current: ir.Action | None = None
 
     @torch.no_grad()
@@ -53,26 +60,31 @@ class Forwards:
         for module in modules:
             module.eval()
         outputs: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
-        inbox: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        inbox: dict[tuple[int, int, int], dict] = {}     # key -> {edge: tensors}
+        left: dict[tuple[int, int, int], int] = {}       # key -> sends of its output still to come
         try:
             self.messenger.begin_step()
             for a in self.actions:
                 self.current = a
                 key = (a.replica, a.micro, a.stage)
                 if a.op == ir.RECV_ACT:
-                    inbox[key] = self.messenger.receive(a)
+                    inbox.setdefault(key, {})[a.message(self.messenger.position).edge] = self.messenger.receive(a)
                 elif a.op == ir.SEND_ACT:
-                    self.messenger.send(a, outputs.pop(key))
+                    edge = a.message(self.messenger.position).edge
+                    self.messenger.send(a, self.routes.sent(edge, outputs[key]))
+                    left[key] -= 1
+                    if not left[key]:
+                        del outputs[key], left[key]
                 else:
                     rows = self.batches.rows(a.replica, a.micro)
                     inputs = ((images[rows].to(self.device, non_blocking=True),) if a.stage == 0
-                              else inbox.pop(key))
+                              else self.routes.assemble(a.stage, inbox.pop(key), self.device))
                     with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
                         out = self.runners[a.stage].forward(inputs, key, waiting=False)
                     if a.stage == self.last_stage:
                         sink(a.replica, a.micro, rows, unpack(out))
                     else:
-                        outputs[key] = out
+                        outputs[key], left[key] = out, self._sends[key]
             self.messenger.finish_sends()
             self.current = None
         finally:

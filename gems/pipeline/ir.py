@@ -13,20 +13,24 @@ Action kinds
 =============  =======================================================================
 ``forward``    run ``stage`` of ``replica`` on micro-batch ``micro``
 ``backward``   its backward (input and weight gradients in one pass)
-``send_act``   send ``stage``'s output to the position running ``stage + 1``
-``recv_act``   receive ``stage``'s input from the position running ``stage - 1``
-``send_grad``  send the gradient of ``stage``'s input to the position running ``stage - 1``
-``recv_grad``  receive the gradient of ``stage``'s output from the position running ``stage + 1``
+``send_act``   send ``stage``'s output to the position running ``stage + 1`` (or ``other``)
+``recv_act``   receive ``stage``'s input from the position running ``stage - 1`` (or ``other``)
+``send_grad``  send the gradient of ``stage``'s input to the position running ``stage - 1`` (or ``other``)
+``recv_grad``  receive the gradient of ``stage``'s output from the position running ``stage + 1`` (or ``other``)
 ``sync``       sum gradients over the sync group (and the loss over the world)
 ``step``       the optimizer step
 =============  =======================================================================
 
 Messages
 --------
-A send and its receive name the same :class:`Message`: ``(kind, replica, micro, boundary, src,
-dst)``, where boundary b is the cut between stage b and stage b+1 and src/dst are positions of
-the group. Both ends compute it from their own action (``Action.message(position)``), so they
-agree on the message's identity and its wire tag (``Message.tag``).
+A send and its receive name the same :class:`Message`: ``(kind, replica, micro, producer,
+consumer, src, dst)``: what flows along the edge from stage ``producer`` to stage ``consumer``
+(activations forward, their gradients back) for one micro-batch of one replica, between
+positions src and dst of the group. Most edges join neighbours (``consumer = producer + 1``); a
+tensor that skips stages (a U-Net's skip connection) travels on an edge of its own, straight from
+the stage that makes it to the stage that reads it (``gems.graph.routes``), named by the action's
+``other`` stage. Both ends compute the message from their own action (``Action.message(position)``),
+so they agree on its identity and its wire tag (``Message.tag``).
 
 Wire order
 ----------
@@ -64,24 +68,31 @@ MESSAGE_KINDS = ("act", "grad")
 
 
 class Message(NamedTuple):
-    """One point-to-point transfer of one step: what crosses ``boundary`` for one micro-batch of
-    one replica, from position ``src`` to position ``dst`` of the same group."""
+    """One point-to-point transfer of one step: what flows on the edge ``producer -> consumer``
+    for one micro-batch of one replica, from position ``src`` to position ``dst`` of the group."""
 
     kind: str       # "act" (forward) or "grad" (backward)
     replica: int
     micro: int
-    boundary: int   # the cut between stage ``boundary`` and ``boundary + 1``
+    producer: int   # the stage whose output it carries (act) or whose output's gradient (grad)
+    consumer: int   # the stage that reads those tensors (a later stage)
     src: int
     dst: int
 
     @property
+    def edge(self) -> tuple[int, int]:
+        return self.producer, self.consumer
+
+    @property
     def tag(self) -> int:
         """The wire tag: distinct for every message between one ordered pair of positions in a
-        step (a pair exchanges at most one act and one grad per replica and micro-batch)."""
+        step. A replica places each stage on one position, so a pair of positions carries one
+        edge per replica, and at most one act and one grad per replica and micro-batch
+        (``gems.pipeline.validate`` checks it for every schedule)."""
         return (self.micro * 2 + self.replica) * 2 + MESSAGE_KINDS.index(self.kind)
 
     def __str__(self) -> str:
-        return (f"{self.kind} {REPLICA_NAMES[self.replica]}{self.micro}.b{self.boundary} "
+        return (f"{self.kind} {REPLICA_NAMES[self.replica]}{self.micro}.s{self.producer}>s{self.consumer} "
                 f"@{self.src}->@{self.dst}")
 
 
@@ -92,7 +103,8 @@ class Action:
     ``stage`` is the stage this position computes for: the stage run by forward/backward,
     the stage whose output (send_act) or input gradient (send_grad) is sent, the stage that
     consumes a received activation (recv_act) or output gradient (recv_grad). ``peer`` is
-    the position at the other end of a message, -1 otherwise.
+    the position at the other end of a message, -1 otherwise. ``other`` is the stage at the
+    message's other end when that is not the neighbour (a skip edge), -1 otherwise.
     """
 
     op: str
@@ -100,24 +112,29 @@ class Action:
     micro: int = 0
     stage: int = 0
     peer: int = -1
+    other: int = -1
 
     def message(self, position: int) -> Message:
         """The message this send/recv moves when run by ``position``; the sender's and the
         receiver's actions give the same Message."""
+        later = self.other if self.other >= 0 else self.stage + 1     # the consumer, seen from a producer
+        earlier = self.other if self.other >= 0 else self.stage - 1   # the producer, seen from a consumer
         if self.op == SEND_ACT:
-            return Message("act", self.replica, self.micro, self.stage, position, self.peer)
+            return Message("act", self.replica, self.micro, self.stage, later, position, self.peer)
         if self.op == RECV_ACT:
-            return Message("act", self.replica, self.micro, self.stage - 1, self.peer, position)
+            return Message("act", self.replica, self.micro, earlier, self.stage, self.peer, position)
         if self.op == SEND_GRAD:
-            return Message("grad", self.replica, self.micro, self.stage - 1, position, self.peer)
+            return Message("grad", self.replica, self.micro, earlier, self.stage, position, self.peer)
         if self.op == RECV_GRAD:
-            return Message("grad", self.replica, self.micro, self.stage, self.peer, position)
+            return Message("grad", self.replica, self.micro, self.stage, later, self.peer, position)
         raise ValueError(f"{self.op} moves no message")
 
     def __str__(self) -> str:
         if self.op in (SYNC, STEP):
             return self.op
         text = f"{self.op} {REPLICA_NAMES[self.replica]}{self.micro}.s{self.stage}"
+        if self.other >= 0:
+            text += f">s{self.other}" if self.op in (SEND_ACT, RECV_GRAD) else f"<s{self.other}"
         return text if self.peer < 0 else f"{text} @{self.peer}"
 
 

@@ -11,8 +11,8 @@ send usually finds its receive waiting; every other receive is posted when the o
 (before a later send to its peer) or when it is waited for (``gems.pipeline.posting`` keeps that
 bookkeeping, which the planner replays). Sends are non-blocking, progressed
 while the rank computes, and completed before the gradient sync. Every message's identity, tag
-and buffers follow from the schedule IR (``Action.message``) and the plan's boundary layouts, so
-no metadata travels with the data.
+and buffer follow from the schedule IR (``Action.message``) and the plan's routes (``gems.pipeline
+.routes``): one packed buffer per message (``gems.pipeline.packing``), nothing else on the wire.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from gems.pipeline import ir
 from gems.pipeline.posting import PREFETCH, Posting  # noqa: F401 - PREFETCH: the engine's default
+from gems.pipeline.routes import Routes
 from gems.pipeline.topology import Topology
 
 
@@ -31,18 +32,20 @@ class Messenger:
         topology: where the ranks sit (to turn positions into world ranks).
         lists: every position's action list of the schedule (the wire order needs them all).
         position: this rank's position.
-        shapes, dtypes: per boundary, the shapes (without the batch dimension) and dtype names
-            of the tensors that cross it (``plan.stage_output_shapes`` / ``_dtypes``).
+        routes: the plan's edges (``gems.pipeline.routes``): which tensors each message carries.
         rows: images per micro-batch (the batch dimension of every message).
         device: where the buffers live.
         prefetch: receives of the action list posted ahead of need (at least 1).
+
+    Every message travels as one packed buffer (``gems.pipeline.packing``).
     """
 
-    def __init__(self, comm, topology: Topology, lists: list[list[ir.Action]], position: int, shapes, dtypes,
+    def __init__(self, comm, topology: Topology, lists: list[list[ir.Action]], position: int, routes: Routes,
                  rows: int, device: torch.device, prefetch: int) -> None:
         self.comm, self.device, self.rows, self.position = comm, device, rows, position
         self._peer_rank = {a.peer: topology.peer(comm.rank, a.peer) for a in lists[position] if a.peer >= 0}
-        self._shapes, self._dtypes = shapes, [[getattr(torch, d) for d in ds] for ds in dtypes]
+        self._layouts = {(kind, edge): routes.layout(kind, edge, rows) for edge in routes.edges
+                         for kind in ir.MESSAGE_KINDS}
         self.posting = Posting(lists, position, prefetch)
         self._posted: dict[ir.Message, tuple] = {}        # receives posted, not yet consumed
         self._sends: list = []
@@ -54,26 +57,25 @@ class Messenger:
 
     def _post(self, messages: list[ir.Message]) -> None:
         for msg in messages:
-            bufs = tuple(torch.empty((self.rows, *shape), dtype=dt, device=self.device)
-                         for shape, dt in zip(self._shapes[msg.boundary], self._dtypes[msg.boundary]))
-            self._posted[msg] = (self.comm.irecv(bufs, self._peer_rank[msg.src], msg.tag), bufs)
+            flat = self._layouts[(msg.kind, msg.edge)].empty(self.device)
+            self._posted[msg] = (self.comm.irecv((flat,), self._peer_rank[msg.src], msg.tag), flat)
 
     def receive(self, a: ir.Action) -> tuple[torch.Tensor, ...]:
-        """Wait for the message of receive action ``a``; its tensors."""
+        """Wait for the message of receive action ``a``; its tensors (views of one buffer)."""
         msg = a.message(self.position)
         self._post(self.posting.receive(msg, msg in self._posted))
-        req, bufs = self._posted.pop(msg)
+        req, flat = self._posted.pop(msg)
         self.comm.wait(req, f"{a} from rank {self._peer_rank[a.peer]}")
         self._post(self.posting.consumed())
-        return bufs
+        return self._layouts[(msg.kind, msg.edge)].unpack(flat, str(msg))
 
     def send(self, a: ir.Action, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Start sending ``tensors`` as the message of send action ``a`` (in the plan's dtypes),
-        after posting every receive the wire order puts before it."""
+        """Start sending ``tensors`` as the message of send action ``a``, packed in the plan's
+        dtypes, after posting every receive the wire order puts before it."""
         msg = a.message(self.position)
         self._post(self.posting.send(msg))
-        data = tuple(t.detach().to(dt).contiguous() for t, dt in zip(tensors, self._dtypes[msg.boundary]))
-        self._sends.append(self.comm.isend(data, self._peer_rank[a.peer], msg.tag))
+        flat = self._layouts[(msg.kind, msg.edge)].pack(tensors, str(msg), self.device)
+        self._sends.append(self.comm.isend((flat,), self._peer_rank[a.peer], msg.tag))
         self._post(self.posting.after_send())
         self.progress()
 

@@ -27,6 +27,8 @@ re-checks that by simulation.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gems.errors import GemsError
 from gems.pipeline.ir import (BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, REPLICA_NAMES, SEND_ACT,  # noqa: F401
                               SEND_GRAD, SENDS, RECVS, STEP, SYNC, Action)
@@ -113,31 +115,45 @@ def _order(name: str, K: int, m: int) -> list[list[tuple[str, int, int, int]]]:
     return order
 
 
-def schedule(name: str, K: int, m: int = 1) -> list[list[Action]]:
-    """Per position, the ordered actions of one training step."""
+def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = ()) -> list[list[Action]]:
+    """Per position, the ordered actions of one training step.
+
+    ``skips``: edges ``(i, j)``, j > i + 1, on which stage i sends tensors straight to stage j
+    (``gems.graph.routes``): the send follows i's forward and the receive precedes j's; the
+    gradient goes back after j's backward and is received before i's. Each such message waits
+    only on computations its neighbour messages already wait on, so skips add no deadlock."""
     check(name, K, m)
+    into = {j: sorted(i for i, k in skips if k == j) for _, j in skips}
+    out_of = {i: sorted(j for k, j in skips if k == i) for i, _ in skips}
+    if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
+        raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")
     lists: list[list[Action]] = []
     for p, tasks in enumerate(_order(name, K, m)):
         actions: list[Action] = []
+        at = lambda r, s: position_of(name, K, r, s)   # noqa: E731
         for op, r, j, s in tasks:
             if op == FORWARD:
                 if s > 0:
-                    actions.append(Action(RECV_ACT, r, j, s, position_of(name, K, r, s - 1)))
+                    actions.append(Action(RECV_ACT, r, j, s, at(r, s - 1)))
+                actions += [Action(RECV_ACT, r, j, s, at(r, i), i) for i in into.get(s, ())]
                 actions.append(Action(FORWARD, r, j, s))
                 if s < K - 1:
-                    actions.append(Action(SEND_ACT, r, j, s, position_of(name, K, r, s + 1)))
+                    actions.append(Action(SEND_ACT, r, j, s, at(r, s + 1)))
+                actions += [Action(SEND_ACT, r, j, s, at(r, k), k) for k in out_of.get(s, ())]
             else:
                 if s < K - 1:
-                    actions.append(Action(RECV_GRAD, r, j, s, position_of(name, K, r, s + 1)))
+                    actions.append(Action(RECV_GRAD, r, j, s, at(r, s + 1)))
+                actions += [Action(RECV_GRAD, r, j, s, at(r, k), k) for k in out_of.get(s, ())]
                 actions.append(Action(BACKWARD, r, j, s))
                 if s > 0:
-                    actions.append(Action(SEND_GRAD, r, j, s, position_of(name, K, r, s - 1)))
+                    actions.append(Action(SEND_GRAD, r, j, s, at(r, s - 1)))
+                actions += [Action(SEND_GRAD, r, j, s, at(r, i), i) for i in into.get(s, ())]
         actions += [Action(SYNC), Action(STEP)]
         lists.append(actions)
     return lists
 
 
-def forward_only(name: str, K: int, m: int = 1) -> list[list[Action]]:
+def forward_only(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = ()) -> list[list[Action]]:
     """Per position, the forwards of one training step and their messages, in the same order
     (no backward, no gradient, no sync or step): evaluation and prediction on the same ranks.
     Under ``mast`` both mirrored replicas run forwards, so every position computes from the
@@ -145,7 +161,7 @@ def forward_only(name: str, K: int, m: int = 1) -> list[list[Action]]:
     Dropping a step's backward half keeps its forwards' order, which cannot deadlock: a
     forward's receive depends only on earlier forwards."""
     keep = (RECV_ACT, FORWARD, SEND_ACT)
-    return [[a for a in actions if a.op in keep] for actions in schedule(name, K, m)]
+    return [[a for a in actions if a.op in keep] for actions in schedule(name, K, m, skips)]
 
 
 def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:

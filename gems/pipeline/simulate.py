@@ -48,15 +48,18 @@ class Costs:
 
     forward: list[float]                        # seconds of stage s's forward
     backward: list[float]                       # seconds of stage s's backward
-    boundary_bytes: list[int]                   # output of stage s = the message across boundary s
+    boundary_bytes: list[int]                   # output of stage s = the message to stage s + 1
     activation_bytes: list[int] | None = None   # kept from forward start to backward end
     static_bytes: list[int] | None = None       # parameters, gradients, optimizer state, buffers
     param_bytes: list[int] | None = None        # gradient bytes allreduced by sync
+    # per edge (producer, consumer), skip connections included: the message's bytes (replaces
+    # boundary_bytes when given; the schedule then carries the skip edges' messages too)
+    edge_bytes: dict[tuple[int, int], int] | None = None
 
     def check(self, K: int) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and len(value) != K:
+            if f.name != "edge_bytes" and value is not None and len(value) != K:
                 raise GemsError(f"costs.{f.name} has {len(value)} entries for {K} stages: give one per stage")
 
 
@@ -133,7 +136,8 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
         raise GemsError(f"the number of groups must be a positive integer, got {groups!r}")
     if network.allreduce not in ALLREDUCE:
         raise GemsError(f"unknown allreduce {network.allreduce!r}: choose one of {', '.join(ALLREDUCE)}")
-    lists = sch.schedule(name, K, m)
+    edges = costs.edge_bytes
+    lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1])
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network)
@@ -161,7 +165,7 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
                     busy[(d, p)] += cost
                 elif a.op in sch.SENDS:
                     msg = a.message(p)
-                    nbytes = costs.boundary_bytes[msg.boundary]
+                    nbytes = edges[msg.edge] if edges else costs.boundary_bytes[msg.producer]
                     latency, bandwidth = network.link(d * K + p, d * K + a.peer)
                     leave = max(t, link_free.get((d, p, a.peer), 0.0))
                     link_free[(d, p, a.peer)] = leave + nbytes / bandwidth
@@ -258,10 +262,16 @@ def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = 
     runs = getattr(plan, "micro_batches", 1) * sch.replicas(getattr(plan, "schedule", "mp"))
     return Costs(forward=[s.forward_flops / rate for s in stages],
                  backward=[s.backward_flops / rate + getattr(s, "extra_seconds", 0.0) / runs for s in stages],
-                 boundary_bytes=[s.output_bytes for s in stages],
+                 boundary_bytes=[s.output_bytes for s in stages], edge_bytes=edge_bytes(plan),
                  activation_bytes=[s.activation_bytes for s in stages],
                  static_bytes=[s.static_bytes for s in stages],
                  param_bytes=[s.param_bytes for s in stages])
+
+
+def edge_bytes(plan) -> dict[tuple[int, int], int] | None:
+    """A plan's message bytes per edge (``StageEstimate.sends``), or None for a plan without them."""
+    edges = {(s.stage, j): b for s in plan.stage_estimates for j, b in getattr(s, "sends", [])}
+    return edges or None
 
 
 def simulate_plan(plan, network: Network = Network(), device_flops: float = V100_FLOPS,

@@ -58,7 +58,7 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
 
 def _check_messages(lists: list[list[Action]]) -> None:
     """Every message is sent once and received once: the same ``Message`` (identity, source
-    and destination positions) on both sides."""
+    and destination positions) on both sides; no two messages between the same positions share a tag."""
     sends: set = set()
     recvs: set = set()
     for p, actions in enumerate(lists):
@@ -71,3 +71,8 @@ def _check_messages(lists: list[list[Action]]) -> None:
                 book.add(msg)
     if sends != recvs:
         raise ValueError(f"unmatched messages: {sorted(map(str, sends ^ recvs))[:3]}")
+    tags: dict[tuple[int, int, int], object] = {}
+    for msg in sends:
+        other = tags.setdefault((msg.src, msg.dst, msg.tag), msg)
+        if other != msg:
+            raise ValueError(f"messages {other} and {msg} share wire tag {msg.tag} between the same positions")

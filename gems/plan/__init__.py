@@ -12,18 +12,17 @@ Estimates include the stages' policies (``gems.partition.policy`` prices them); 
 from __future__ import annotations
 
 import json
-import math
 import os
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from gems.errors import GemsError
-from gems.units import format_size
 
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
-_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": []}
+_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": [],
+                 "routes": []}
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
@@ -82,6 +81,7 @@ class StageEstimate:
     recompute_bytes: int = 0          # the largest recompute segment, rematerialised at a backward
     offload_bytes: int = 0            # sent to the host and back per micro-batch (waiting forwards only)
     extra_seconds: float = 0.0        # time the policy adds per step, over every position running the stage
+    sends: list[list[int]] = field(default_factory=list)   # [consumer stage, bytes] per message it sends per micro-batch
 
     @property
     def static_bytes(self) -> int:
@@ -159,6 +159,11 @@ class Plan:
     # static_bytes, at micro_batch_size rows (gems.partition.forward); it scales with the rows, see
     # forward_peak_bytes. Empty in plans written before it was priced.
     forward_bytes: list[int] = field(default_factory=list)
+    # Per stage, per position of its input tuple: [stage that made the tensor, its position in that
+    # stage's output, whether its gradient goes back], or [-1, -1, false] for a tensor the stage only
+    # passes on (gems.graph.stage_routes; stage 0: []). Skip tensors go straight from maker to reader
+    # (gems.pipeline.routes). Empty: every stage takes its neighbour's whole output (plain nn.Sequential).
+    routes: list[list[list]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -254,6 +259,12 @@ class Plan:
         if self.forward_bytes and len(self.forward_bytes) != K:
             raise GemsError(f"the plan has {len(self.forward_bytes)} forward-only figures for {K} positions: "
                             "regenerate it with gems-plan --json")
+        if self.routes and (len(self.routes) != K or self.routes[0] or any(
+                not (isinstance(r, (list, tuple)) and len(r) == 3 and -1 <= r[0] < s
+                     and (r[0] < 0 or 0 <= r[1] < len(self.stage_output_shapes[r[0]])))
+                for s, route in enumerate(self.routes) for r in route)):
+            raise GemsError("the plan's routes do not say where each stage's inputs come from: regenerate it "
+                            "with gems-plan --json")
         if self.host_bytes and len(self.host_bytes) != K:
             raise GemsError(f"the plan has {len(self.host_bytes)} host memory figures for {K} positions: "
                             "regenerate it with gems-plan --json")
@@ -275,68 +286,11 @@ class Plan:
 
     # -- people ----------------------------------------------------------------------
     def table(self) -> str:
-        """A human summary: inputs, one row per stage and per position, the balance, the budget."""
-        shape = "x".join(map(str, self.input_shape))
-        policed = any(p.kind != "none" for p in self.policies)
-        lines = [
-            f"model {self.model_name}, input {shape}, batch {self.batch_size} "
-            f"({self.micro_batch_size} per micro-batch), {self.groups} group(s), {self.dtype}"
-            + (f" ({self.amp} autocast)" if self.amp != "none" else "") + f", {self.optimizer}",
-            f"schedule {self.schedule}, {self.stages} stages, {self.micro_batches} micro-batch(es) per replica, "
-            f"balanced by {self.balance_by}",
-            "",
-            _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
-                  + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],
-                  [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
-                    policy.label, format_size(s.activation_bytes)]
-                   + [format_size(s.plain_activation_bytes)] * policed
-                   + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
-                   for s, policy in zip(self.stage_estimates, self.policies)]),
-            "",
-            _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
-                  + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(self.host_bytes) + ["GFLOP/step"],
-                  [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
-                    format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
-                   + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
-                   + ([format_size(self.host_bytes[p.position])] if self.host_bytes else [])
-                   + [f"{p.flops / 1e9:.1f}"] for p in self.positions]),
-            "",
-            f"imbalance (max/mean {self.balance_by} over positions): {self.imbalance:.3f}",
-        ]
-        if self.forward_bytes:
-            need, position = self.forward_worst(self.batch_size)
-            lines.append(f"forward-only steps (validation, prediction) of this batch: est. peak {format_size(need)} "
-                         f"on position {position}")
-        crossing = [s for s in range(self.stages - 1) if len(self.stage_output_shapes[s]) > 1]
-        if crossing:   # several tensors cross a cut: skips (a traced model's relay them), tuples
-            lines += ["", "tensors crossing each cut with more than one (per micro-batch):"]
-            for s in crossing:
-                parts = [f"{'x'.join(map(str, [self.micro_batch_size, *shape]))} {dtype} "
-                         f"({format_size(self.micro_batch_size * math.prod(shape) * _itemsize(dtype))})"
-                         for shape, dtype in zip(self.stage_output_shapes[s], self.stage_output_dtypes[s])]
-                lines.append(f"  after stage {s}: " + ", ".join(parts))
-        if policed and self.step_seconds is not None:
-            lines.append(f"predicted step {self.step_seconds:.3f} s with the policies, {self.plain_step_seconds:.3f} s "
-                         f"without (at {self.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
-        besides = ""
-        if self.device_overhead:
-            parts = ", ".join(f"{name} {format_size(n)}" for name, n in self.device_overhead.items())
-            lines.append(f"besides tensors, each rank holds {format_size(self.overhead_bytes)} on its GPU: {parts} "
-                         "(measured constants: gems.partition.overhead)")
-            besides = f" plus {format_size(self.overhead_bytes)} besides tensors"
-        if self.memory_budget is not None:
-            worst = max(self.positions, key=lambda p: p.peak_bytes)
-            if self.fits:
-                on = f"{worst.position},{besides}" if besides else worst.position
-                lines.append(f"fits: the largest peak, {format_size(worst.peak_bytes)} on position {on}, "
-                             f"is within the budget of {format_size(self.memory_budget)}")
-            else:
-                smallest = (f"; {self.smallest_fitting_stages} stages would fit"
-                            if self.smallest_fitting_stages else "")
-                lines.append(f"does not fit: position {worst.position} needs {format_size(worst.peak_bytes)}{besides}, "
-                             f"over the budget of {format_size(self.memory_budget)}{smallest}")
-        lines += self.notes
-        return "\n".join(lines)
+        """A human summary: inputs, one row per stage and per position, the messages, the budget
+        (``gems.plan.text``)."""
+        from gems.plan.text import table  # noqa: PLC0415 - kept out of the types' import
+
+        return table(self)
 
 
 def _is_dtype(name: str) -> bool:
@@ -376,22 +330,3 @@ def _type_problem(value: object, hint: object, where: str) -> str | None:
     else:                # bool is an int to Python, never to a plan
         ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
     return None if ok else f"{where} should be {getattr(hint, '__name__', hint)}, got {value!r:.40}"
-
-
-def _span(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-
-
-def _rows(header: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns (the first left-aligned)."""
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), *(line(r) for r in rows)])
-
-
-def _itemsize(dtype: str) -> int:
-    import torch  # noqa: PLC0415 - as in _is_dtype
-
-    return getattr(torch, dtype).itemsize

@@ -1,0 +1,109 @@
+"""A plan as text for people: ``Plan.table()``, printed by gems-plan and gems-train (the plan
+comes in as an argument: this module imports no plan type, so nothing imports in a circle)."""
+from __future__ import annotations
+
+import math
+
+from gems.units import format_size
+
+
+def table(plan) -> str:
+    """A human summary: inputs, one row per stage and per position, the balance, the messages
+    that carry more than one tensor or skip stages, the budget."""
+    shape = "x".join(map(str, plan.input_shape))
+    policed = any(p.kind != "none" for p in plan.policies)
+    lines = [
+        f"model {plan.model_name}, input {shape}, batch {plan.batch_size} "
+        f"({plan.micro_batch_size} per micro-batch), {plan.groups} group(s), {plan.dtype}"
+        + (f" ({plan.amp} autocast)" if plan.amp != "none" else "") + f", {plan.optimizer}",
+        f"schedule {plan.schedule}, {plan.stages} stages, {plan.micro_batches} micro-batch(es) per replica, "
+        f"balanced by {plan.balance_by}",
+        "",
+        _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
+              + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],
+              [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
+                policy.label, format_size(s.activation_bytes)]
+               + [format_size(s.plain_activation_bytes)] * policed
+               + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
+               for s, policy in zip(plan.stage_estimates, plan.policies)]),
+        "",
+        _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
+              + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(plan.host_bytes) + ["GFLOP/step"],
+              [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
+                format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
+               + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
+               + ([format_size(plan.host_bytes[p.position])] if plan.host_bytes else [])
+               + [f"{p.flops / 1e9:.1f}"] for p in plan.positions]),
+        "",
+        f"imbalance (max/mean {plan.balance_by} over positions): {plan.imbalance:.3f}",
+    ]
+    if plan.forward_bytes:
+        need, position = plan.forward_worst(plan.batch_size)
+        lines.append(f"forward-only steps (validation, prediction) of this batch: est. peak {format_size(need)} "
+                     f"on position {position}")
+    lines += _messages(plan)
+    if policed and plan.step_seconds is not None:
+        lines.append(f"predicted step {plan.step_seconds:.3f} s with the policies, {plan.plain_step_seconds:.3f} s "
+                     f"without (at {plan.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
+    besides = ""
+    if plan.device_overhead:
+        parts = ", ".join(f"{name} {format_size(n)}" for name, n in plan.device_overhead.items())
+        lines.append(f"besides tensors, each rank holds {format_size(plan.overhead_bytes)} on its GPU: {parts} "
+                     "(measured constants: gems.partition.overhead)")
+        besides = f" plus {format_size(plan.overhead_bytes)} besides tensors"
+    if plan.memory_budget is not None:
+        worst = max(plan.positions, key=lambda p: p.peak_bytes)
+        if plan.fits:
+            on = f"{worst.position},{besides}" if besides else worst.position
+            lines.append(f"fits: the largest peak, {format_size(worst.peak_bytes)} on position {on}, "
+                         f"is within the budget of {format_size(plan.memory_budget)}")
+        else:
+            smallest = (f"; {plan.smallest_fitting_stages} stages would fit"
+                        if plan.smallest_fitting_stages else "")
+            lines.append(f"does not fit: position {worst.position} needs {format_size(worst.peak_bytes)}{besides}, "
+                         f"over the budget of {format_size(plan.memory_budget)}{smallest}")
+    lines += plan.notes
+    return "\n".join(lines)
+
+
+def _messages(plan) -> list[str]:
+    """The messages from stage to stage that carry several tensors or skip stages: a traced model's
+    skip connections go straight from the stage that makes them to each stage that reads them."""
+    edges: dict[tuple[int, int], list[int]] = {}
+    if plan.routes:
+        for consumer, route in enumerate(plan.routes):
+            for producer, source, _ in route:
+                if producer >= 0:
+                    edges.setdefault((producer, consumer), []).append(source)
+    else:
+        edges = {(s, s + 1): list(range(len(plan.stage_output_shapes[s]))) for s in range(plan.stages - 1)}
+    shown = {e: sources for e, sources in sorted(edges.items()) if len(sources) > 1 or e[1] > e[0] + 1}
+    if not shown:
+        return []
+    lines = ["", "messages with more than one tensor or skipping stages (per micro-batch):"]
+    rows = plan.micro_batch_size
+    for (i, j), sources in shown.items():
+        tensors = [(plan.stage_output_shapes[i][q], plan.stage_output_dtypes[i][q]) for q in sources]
+        parts = [f"{'x'.join(map(str, [rows, *shape]))} {dtype} "
+                 f"({format_size(rows * math.prod(shape) * _itemsize(dtype))})" for shape, dtype in tensors]
+        lines.append(f"  stage {i} -> stage {j}{' (skip)' * (j > i + 1)}: " + ", ".join(parts))
+    return lines
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns (the first left-aligned)."""
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def _itemsize(dtype: str) -> int:
+    import torch  # noqa: PLC0415 - as in _is_dtype
+
+    return getattr(torch, dtype).itemsize
