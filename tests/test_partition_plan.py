@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gems.errors import GemsError
+from gems.graph import graph_units
 from gems.models import build
 from gems.partition import CostModel, Plan, plan, profile, solve
 from gems.partition.costs import memory_floor
@@ -172,3 +173,14 @@ def test_bad_model():
         plan(nn.Linear(2, 2), (2,), 2, 2, schedule="mp")
     with pytest.raises(GemsError, match="cannot take 3x4x4 input"):
         plan(build("resnet18", num_classes=10), (3, 4, 4), 2, 2)
+
+
+
+def test_equal_loads_are_cut_where_the_least_crosses():
+    """Under mast K = 2 both positions hold both stages, so many cuts load them (almost) alike:
+    the planner takes the one with the smallest boundary, not the first it meets (after conv1)."""
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=10)
+    p = plan(model, (3, 64, 64), 2, 2, "mast", 1)
+    crossing = profile(graph_units(model, (3, 64, 64), 1), (3, 64, 64), 1).boundary_bytes()[1:-1]
+    assert p.stage_estimates[0].output_bytes <= crossing.min() + 32   # one packed message: header, alignment
