@@ -72,23 +72,36 @@ def _alive(profile: ModelProfile, lo: int, hi: int) -> np.ndarray:
     return alive
 
 
-def _messages_alive(lists: list[list[ir.Action]], sizes: dict[tuple[int, int], int],
-                    prefetch: int) -> list[dict[int, float]]:
-    """Per position, per index of a forward in its list: bytes of messages that may be alive then."""
+def send_copies(schedule: str, K: int, m: int, routes: Routes, rows: int, prefetch: int = PREFETCH) -> list[int]:
+    """Per position, the most bytes of packed activation messages a training step may still be
+    sending at one of its computations: a send packs a copy of what the stage keeps anyway
+    (``gems.pipeline.packing``), alive until its receiver has it -- counted, as above, until the
+    receiver's consumption happens-before. (Gradient messages replace the gradients they pack.)"""
+    lists = schedules.schedule(schedule, K, m, routes.skips)
+    alive = _messages_alive(lists, routes.message_bytes(rows), prefetch, at=ir.COMPUTE, kinds=("act",),
+                            posted=False)
+    return [int(max(per.values(), default=0.0)) for per in alive]
+
+
+def _messages_alive(lists: list[list[ir.Action]], sizes: dict[tuple[int, int], int], prefetch: int,
+                    at: tuple[str, ...] = (ir.FORWARD,), kinds: tuple[str, ...] = ir.MESSAGE_KINDS,
+                    posted: bool = True) -> list[dict[int, float]]:
+    """Per position, per index of an action of kind ``at`` in its list: bytes of messages of
+    ``kinds`` that may be alive then (sends, and with ``posted`` receives posted ahead)."""
     clocks = _clocks(lists)
     consumed_at = {a.message(p): i for p, actions in enumerate(lists)
                    for i, a in enumerate(actions) if a.op in ir.RECVS}
     result = []
     for p, actions in enumerate(lists):
-        posted = _posted_receives(lists, p, prefetch)
+        receiving = _posted_receives(lists, p, prefetch) if posted else [set() for _ in actions]
         sends = [(j, a.message(p)) for j, a in enumerate(actions) if a.op in ir.SENDS]
         alive: dict[int, float] = {}
         for i, a in enumerate(actions):
-            if a.op == ir.FORWARD:
-                # a send is done once its consumption happens-before this forward (clock > index)
+            if a.op in at:
+                # a send is done once its consumption happens-before this action (clock > index)
                 sending = sum(sizes[msg.edge] for j, msg in sends
-                              if j < i and clocks[p][i][msg.dst] <= consumed_at[msg])
-                alive[i] = sum(sizes[msg.edge] for msg in posted[i]) + sending
+                              if j < i and msg.kind in kinds and clocks[p][i][msg.dst] <= consumed_at[msg])
+                alive[i] = sum(sizes[msg.edge] for msg in receiving[i] if msg.kind in kinds) + sending
         result.append(alive)
     return result
 

@@ -33,7 +33,7 @@ from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
-from .forward import forward_bytes
+from .forward import forward_bytes, send_copies
 from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
@@ -207,7 +207,8 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
-        chosen = relax(costs, option_cuts, allowed, job.room)
+        # packed copies of sent activations depend on the cuts alone: the policies must fit beside them
+        chosen = relax(costs, option_cuts, allowed, job.room - max(job.sending(costs, option_cuts)))
         if chosen is not None:
             found.append(job.assemble(costs, option_cuts, option_loads, option_by, chosen))
     if not found:
@@ -233,13 +234,21 @@ class _Job:
         self.room = None if budget is None else budget - sum(overhead.values())
         self.working = prof.working_matrix()
 
+    def edges(self, cuts: Sequence[int]) -> Routes:
+        """The messages between the stages of these cuts (``gems.pipeline.routes``)."""
+        units, K = self.prof.units, len(cuts) - 1
+        return Routes([[list(r) for r in route] for route in stage_routes(self.units, cuts)],
+                      [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)],
+                      [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)])
+
+    def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
+        """Per position, packed copies of sent activations in flight at most (``send_copies``)."""
+        return send_copies(costs.schedule, costs.K, costs.m, self.edges(cuts), self.prof.micro_batch_size)
+
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
                  policies: list[StagePolicy]) -> Plan:
         K, units, prices = costs.K, self.prof.units, self.policies
-        shapes = [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)]
-        dtypes = [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)]
-        routes = [[list(r) for r in route] for route in stage_routes(self.units, cuts)]
-        edges = Routes(routes, shapes, dtypes)
+        edges = self.edges(cuts)
         sent = edges.message_bytes(self.prof.micro_batch_size)   # per edge: packed forward message
         stage_estimates, on = [], []
         for s in range(K):
@@ -259,6 +268,7 @@ class _Job:
                 plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
                 extra_seconds=sum(c.seconds for c in on[s].values())))
         positions = []
+        sending = self.sending(costs, cuts)
         for p in range(K):
             held = costs.holds(p)
             est = [stage_estimates[s] for s in held]
@@ -276,9 +286,10 @@ class _Job:
             positions.append(PositionEstimate(
                 position=p, stages=held, units=sum(e.end_unit - e.first_unit for e in est),
                 param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
-                activation_bytes=activations, transient_bytes=transient, peak_bytes=static + activations + transient,
+                activation_bytes=activations, transient_bytes=transient,
+                peak_bytes=static + activations + transient + sending[p], send_bytes=sending[p],
                 flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
-                plain_peak_bytes=static + plain_activations + plain_transient,
+                plain_peak_bytes=static + plain_activations + plain_transient + sending[p],
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
         mean = float(np.mean(loads))
         fits = None if self.room is None else max(p.peak_bytes for p in positions) <= self.room
@@ -287,13 +298,14 @@ class _Job:
             schedule=costs.schedule, micro_batches=costs.m, balance_by=balance_by, optimizer=self.prof.optimizer,
             dtype=self.prof.dtype, memory_budget=self.budget, micro_batch_size=self.prof.micro_batch_size,
             cuts=list(cuts), unit_names=[u.name for u in units],
-            stage_output_shapes=shapes, stage_output_dtypes=dtypes,
+            stage_output_shapes=edges.shapes, stage_output_dtypes=edges.names,
             stage_estimates=stage_estimates, positions=positions,
             load_unit={"memory": "B", "flops": "FLOP"}.get(balance_by, costs.time_unit),
             imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
             device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
             device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
-            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges), routes=routes)
+            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges),
+            routes=edges.routes)
         if any(p.kind != "none" for p in policies):
             def step(costs_of_plan) -> float:
                 return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups).step_time

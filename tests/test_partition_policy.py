@@ -106,7 +106,7 @@ def test_policies_never_raise_the_estimate(schedule):
             assert pos.peak_bytes <= pos.plain_peak_bytes
             static = sum(p.stage_estimates[s].static_bytes for s in pos.stages)
             acts = sum(pos.in_flight[s] * p.stage_estimates[s].activation_bytes for s in pos.stages)
-            assert pos.peak_bytes == static + acts + pos.transient_bytes
+            assert pos.peak_bytes == static + acts + pos.transient_bytes + pos.send_bytes
             if recompute == offload == "none":
                 assert pos.peak_bytes == pos.plain_peak_bytes and pos.extra_seconds == 0
 

@@ -40,8 +40,9 @@ class Routes:
         """``routes``, ``shapes``, ``dtypes``: a plan's ``routes``, ``stage_output_shapes`` and
         ``stage_output_dtypes`` (per stage; routes may be empty: relay)."""
         K = len(shapes)
+        self.routes, self.shapes, self.names = routes, shapes, dtypes
         dtypes = [[getattr(torch, d) for d in ds] for ds in dtypes]
-        self.shapes, self.dtypes = shapes, dtypes
+        self.dtypes = dtypes
         routes = routes or [[]] + [[(s - 1, q, True) for q in range(len(dtypes[s - 1]))] for s in range(1, K)]
         self.widths = [1] + [len(r) for r in routes[1:]]   # input tuples (stage 0: the images)
         found: dict[tuple[int, int], list[tuple[int, int, bool]]] = {(s - 1, s): [] for s in range(1, K)}

@@ -107,6 +107,7 @@ class PositionEstimate:
     recompute_flops: int = 0          # forward FLOPs re-run per step by recomputation
     seconds: float = 0.0              # forward + backward + policies per step, at Plan.flops_per_second
     extra_seconds: float = 0.0        # of which the policies
+    send_bytes: int = 0               # packed copies of activations still being sent, at most (in peak_bytes)
 
 
 @dataclass
