@@ -19,8 +19,10 @@ Then:
   ``nn.Sequential`` of those units (``GraphUnits``): what the planner profiles and the engine
   runs, unchanged, for any model.
 
-A tensor produced early and used much later (a U-Net's skip connection) is therefore relayed: it
-is part of every boundary between its producer and its consumer. The units' parameters are the
+A tensor produced early and used much later (a U-Net's skip connection) is part of every unit
+boundary between its producer and its consumer; each unit records which of its inputs it reads
+(``READS``), so that a stage receives only those, straight from the stage that made them
+(``stage_routes``). The units' parameters are the
 model's own (shared, not copied) and keep their names: a unit's state-dict key ``7.layer1.0.conv1.weight``
 is the model's ``layer1.0.conv1.weight`` (``model_key``).
 
