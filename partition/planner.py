@@ -233,17 +233,21 @@ class _Job:
         self.overhead, self.amp = overhead, amp
         self.room = None if budget is None else budget - sum(overhead.values())
         self.working = prof.working_matrix()
+        self._sending: dict[tuple, list[int]] = {}
 
     def edges(self, cuts: Sequence[int]) -> Routes:
         """The messages between the stages of these cuts (``gems.pipeline.routes``)."""
         units, K = self.prof.units, len(cuts) - 1
-        return Routes([[list(r) for r in route] for route in stage_routes(self.units, cuts)],
+        return Routes(stage_routes(self.units, cuts),
                       [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)],
                       [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)])
 
     def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
         """Per position, packed copies of sent activations in flight at most (``send_copies``)."""
-        return send_copies(costs.schedule, costs.K, costs.m, self.edges(cuts), self.prof.micro_batch_size)
+        key = (costs.schedule, costs.K, costs.m, tuple(cuts))
+        if key not in self._sending:
+            self._sending[key] = send_copies(*key[:3], self.edges(cuts), self.prof.micro_batch_size)
+        return self._sending[key]
 
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
                  policies: list[StagePolicy]) -> Plan:

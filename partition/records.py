@@ -152,6 +152,14 @@ class ModelProfile:
         return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
 
+def _first_at_or_after(units: Sequence[int], n: int) -> np.ndarray:
+    """F[lo] = the first of ``units`` >= lo, n + 1 where there is none (lo = 0..n)."""
+    first = np.full(n + 1, n + 1)
+    for u in sorted(units, reverse=True):
+        first[: u + 1] = u
+    return first
+
+
 def segment_bytes(n: int, storages: Sequence[Storage],
                   terms: Sequence[str] = ("saved", "input", "output")) -> np.ndarray:
     """Vectorised ``ModelProfile.activation_bytes`` of these storages for every segment of n
@@ -172,13 +180,8 @@ def segment_bytes(n: int, storages: Sequence[Storage],
                 for u in s.savers:
                     internal[u] += s.nbytes
             continue
-        # next_saver[lo] = first saver >= lo (n + 1 when none): saved inside iff it is < hi.
-        next_saver = np.full(n + 1, n + 1)
-        for u in sorted(s.savers, reverse=True):
-            next_saver[: u + 1] = u
-        next_toucher = np.full(n + 1, n + 1)
-        for u in sorted(s.touchers(), reverse=True):
-            next_toucher[: u + 1] = u
+        # saved inside iff the first saver >= lo is < hi; touched likewise
+        next_saver, next_toucher = _first_at_or_after(s.savers, n), _first_at_or_after(s.touchers(), n)
         bounds = np.zeros(n + 1, dtype=bool)
         for b in s.boundaries:
             bounds[b + 1] = True  # boundary b is the input of segment lo = b+1 and output of hi = b+1

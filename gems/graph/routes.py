@@ -18,12 +18,12 @@ from torch import nn
 
 from .split import LIVE_IN, READS
 
-UNREAD = (-1, -1, False)
+UNREAD = [-1, -1, False]
 
 
-def stage_routes(units: nn.Sequential, cuts: Sequence[int]) -> list[list[tuple[int, int, bool]]]:
-    """Per stage, per position of its input tuple: ``(stage that made the tensor, its position in
-    that stage's output tuple, whether a gradient goes back)``, or ``UNREAD``. Stage 0's list is
+def stage_routes(units: nn.Sequential, cuts: Sequence[int]) -> list[list[list]]:
+    """Per stage, per position of its input tuple: ``[stage that made the tensor, its position in
+    that stage's output tuple, whether a gradient goes back]`` (``Plan.routes`` as it is), or ``UNREAD``. Stage 0's list is
     empty (its input is the data); no gradient goes back for the model's input. ``[]`` when the
     units carry no graph metadata (a plain ``nn.Sequential``): every stage then takes the whole
     output of the one before, as it is."""
@@ -34,17 +34,17 @@ def stage_routes(units: nn.Sequential, cuts: Sequence[int]) -> list[list[tuple[i
     live = [metas[cuts[s]][LIVE_IN] for s in range(K)]             # stage s's input names
     outputs = [live[s + 1] for s in range(K - 1)]                  # stage s's output names
     model_input = live[0][0]
-    routes: list[list[tuple[int, int, bool]]] = [[]]
+    routes: list[list[list]] = [[]]
     for s in range(1, K):
         read = {metas[k][LIVE_IN][q] for k in range(cuts[s], cuts[s + 1]) for q in metas[k][READS]}
         route = []
         for name in live[s]:
             if name not in read:
-                route.append(UNREAD)
+                route.append(list(UNREAD))
                 continue
             maker = s - 1
             while maker > 0 and name in live[maker]:
                 maker -= 1
-            route.append((maker, outputs[maker].index(name), name != model_input))
+            route.append([maker, outputs[maker].index(name), name != model_input])
         routes.append(route)
     return routes

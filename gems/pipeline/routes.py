@@ -23,6 +23,7 @@ import torch
 from gems.errors import GemsError
 from gems.graph import stage_routes
 from gems.pipeline.packing import Layout
+from gems.plan.edges import edge_tensors
 
 
 class Edge(NamedTuple):
@@ -39,27 +40,19 @@ class Routes:
     def __init__(self, routes: list, shapes: list, dtypes: list[list[str]]) -> None:
         """``routes``, ``shapes``, ``dtypes``: a plan's ``routes``, ``stage_output_shapes`` and
         ``stage_output_dtypes`` (per stage; routes may be empty: relay)."""
-        K = len(shapes)
         self.routes, self.shapes, self.names = routes, shapes, dtypes
-        dtypes = [[getattr(torch, d) for d in ds] for ds in dtypes]
-        self.dtypes = dtypes
-        routes = routes or [[]] + [[(s - 1, q, True) for q in range(len(dtypes[s - 1]))] for s in range(1, K)]
-        self.widths = [1] + [len(r) for r in routes[1:]]   # input tuples (stage 0: the images)
-        found: dict[tuple[int, int], list[tuple[int, int, bool]]] = {(s - 1, s): [] for s in range(1, K)}
-        for consumer in range(1, K):
-            for target, (producer, source, grad) in enumerate(routes[consumer]):
-                if producer >= 0:
-                    found.setdefault((producer, consumer), []).append((source, target, grad))
+        self.dtypes = [[getattr(torch, d) for d in ds] for ds in dtypes]
+        # input tuples: stage 0 takes the images; without routes, each its neighbour's whole output
+        self.widths = [1] + ([len(r) for r in routes[1:]] if routes else [len(d) for d in dtypes[:-1]])
         self.edges: dict[tuple[int, int], Edge] = {}
-        for (i, j), items in sorted(found.items()):
-            grads = tuple(bool(g) and dtypes[i][src].is_floating_point for src, _, g in items)
+        for (i, j), items in edge_tensors(routes, [len(d) for d in dtypes]).items():
+            grads = tuple(g and self.dtypes[i][src].is_floating_point for src, _, g in items)
             self.edges[(i, j)] = Edge(i, j, tuple(s for s, _, _ in items), tuple(t for _, t, _ in items), grads)
 
     @classmethod
     def of(cls, plan, units: torch.nn.Sequential | None = None) -> Routes:
         """A plan's routes; ``units``: the model's chain, checked against them when given."""
-        if units is not None and plan.routes and plan.routes != [[list(r) for r in route]
-                                                                 for route in stage_routes(units, plan.cuts)]:
+        if units is not None and plan.routes and plan.routes != stage_routes(units, plan.cuts):
             raise GemsError("the plan's routes between stages are not this model's: make the plan from this "
                             "model, at this image size and batch")
         return cls(plan.routes, plan.stage_output_shapes, plan.stage_output_dtypes)
@@ -72,9 +65,6 @@ class Routes:
     def skips(self) -> list[tuple[int, int]]:
         """Edges between stages that are not neighbours."""
         return [e for e in self.edges if e[1] > e[0] + 1]
-
-    def into(self, stage: int) -> list[Edge]:
-        return [e for e in self.edges.values() if e.consumer == stage]
 
     def layout(self, kind: str, edge: tuple[int, int], rows: int) -> Layout:
         """The packed layout of an edge's ``act`` or ``grad`` message of ``rows`` images."""

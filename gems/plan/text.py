@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from gems.plan.edges import edge_tensors
 from gems.units import format_size
 
 
@@ -69,15 +70,8 @@ def table(plan) -> str:
 def _messages(plan) -> list[str]:
     """The messages from stage to stage that carry several tensors or skip stages: a traced model's
     skip connections go straight from the stage that makes them to each stage that reads them."""
-    edges: dict[tuple[int, int], list[int]] = {}
-    if plan.routes:
-        for consumer, route in enumerate(plan.routes):
-            for producer, source, _ in route:
-                if producer >= 0:
-                    edges.setdefault((producer, consumer), []).append(source)
-    else:
-        edges = {(s, s + 1): list(range(len(plan.stage_output_shapes[s]))) for s in range(plan.stages - 1)}
-    shown = {e: sources for e, sources in sorted(edges.items()) if len(sources) > 1 or e[1] > e[0] + 1}
+    edges = edge_tensors(plan.routes, [len(shapes) for shapes in plan.stage_output_shapes])
+    shown = {e: [s for s, _, _ in items] for e, items in edges.items() if len(items) > 1 or e[1] > e[0] + 1}
     if not shown:
         return []
     lines = ["", "messages with more than one tensor or skipping stages (per micro-batch):"]
