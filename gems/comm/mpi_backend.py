@@ -26,7 +26,6 @@ no limit unless GEMS_MAX_MESSAGE_BYTES sets one.
 from __future__ import annotations
 
 import os
-import sys
 from collections import deque
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -37,7 +36,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from torch import Tensor
 
 from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, byte_ranges, check_group_ranks,
-                            max_message_bytes, message_tag, placement)
+                            max_message_bytes, message_tag, mpi_abort, placement)
 from gems.errors import GemsError
 
 # Pinned buffers kept for reuse: a rank holding two stages (mast) sends and receives at most
@@ -255,11 +254,12 @@ class MPIComm(Comm):
             try:
                 if not MPI.Request.Testall(op.reqs, statuses):
                     return False
-            except MPI.Exception as exc:  # e.g. a message longer than its buffer
-                errors = [MPI.Get_error_string(s.Get_error()) for s in statuses
-                          if s.Get_error() != MPI.SUCCESS] or [exc.Get_error_string()]
-                raise RuntimeError(f"rank {self.rank}: {describe} failed: {' '.join(errors[0].split())}; "
-                                   f"the ranks disagree on the boundary shapes or dtypes") from exc
+            except MPI.Exception as exc:  # a message longer than its buffer, or a peer gone
+                codes = [s.Get_error() for s in statuses if s.Get_error() != MPI.SUCCESS] or [exc.Get_error_code()]
+                why = ("the ranks disagree on the boundary shapes or dtypes"
+                       if MPI.Get_error_class(codes[0]) == MPI.ERR_TRUNCATE else "the sending rank may have died")
+                raise RuntimeError(f"rank {self.rank}: {describe} failed: "
+                                   f"{' '.join(MPI.Get_error_string(codes[0]).split())}; {why}") from exc
             check(statuses)
             return True
 
@@ -347,7 +347,4 @@ class MPIComm(Comm):
         return self._post([], lambda: [self._comm.Ibarrier()], f"barrier over all {self.size} ranks")
 
     def abort(self, code: int = 1) -> NoReturn:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
-        os._exit(code)  # not reached: Abort ends the process
+        mpi_abort(code)

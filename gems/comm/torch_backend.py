@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Sequence
@@ -32,7 +31,7 @@ from mpi4py import MPI
 from torch import Tensor
 
 from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, P2POp, Request, byte_ranges,
-                             check_group_ranks, max_message_bytes, message_tag, placement)
+                             check_group_ranks, max_message_bytes, message_tag, mpi_abort, placement)
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings
@@ -281,7 +280,4 @@ class TorchComm(Comm):
     def abort(self, code: int = 1) -> NoReturn:
         # No destroy_process_group(): it may block on the very peer that failed. MPI_Abort has the
         # launcher end every rank.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
-        os._exit(code)  # not reached: Abort ends the process
+        mpi_abort(code)
