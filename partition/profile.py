@@ -73,7 +73,7 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
         raise GemsError("the model must be a non-empty nn.Sequential of units: build it with gems.models.build")
     names = getattr(model, "unit_names", None) or [name for name, _ in model.named_children()]
     units = list(model)
-    training = [u.training for u in units]
+    training = {m: m.training for m in model.modules()}   # each its own: a frozen BatchNorm stays frozen
     try:
         for u in units:
             u.train()  # profile what training keeps: BatchNorm in batch-statistics mode
@@ -81,8 +81,8 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
             return _Run(units, names, tuple(input_shape), micro_batch_size, dtype, optimizer,
                         model_name or "the model", autocast).result()
     finally:
-        for u, was_training in zip(units, training):
-            u.train(was_training)
+        for m, was_training in training.items():
+            m.training = was_training
 
 
 class _Run:

@@ -1,8 +1,9 @@
 """Any nn.Module trains exactly like one process: a hand-written U-Net (GroupNorm, concatenated
 skips at every level, a 1x1 residual from the input to the logits, per-pixel cross-entropy),
 torchvision's convnext_tiny, timm's convnext_atto and segmentation_models_pytorch's Unet
-(resnet34 encoder, BatchNorm in eval mode), split by the graph front-end (gems.graph) and run on
-loopback ranks (one thread each) under mast, gpipe and 1f1b, K up to 4, m up to 4, D up to 2.
+(resnet34 encoder, BatchNorm in eval mode), and a network whose forward torch.fx cannot trace
+(sizes through len and math, attention called with three arguments: torch.export's fallback),
+split by the graph front-end (gems.graph) and run on loopback ranks (one thread each) under mast, gpipe and 1f1b, K up to 4, m up to 4, D up to 2.
 
 Compared with one process training the same model on the same global batches: parameters and
 losses within 1e-5 (relative), three SGD-momentum steps; the engine's state dict has exactly the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -64,10 +66,30 @@ class UNet(nn.Module):
         return self.logits(h) + self.shortcut(x)
 
 
+class Untraceable(nn.Module):
+    """A forward fx cannot trace symbolically but torch.export can: ``len`` of a batch,
+    ``math.sqrt`` of a size; BatchNorm (collapsed back into its module call), attention
+    called with three arguments (kept as ATen ops, never cut apart), a skip across the attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        h = self.stem(x)
+        tokens = h.reshape(len(x), h.shape[1], -1).transpose(1, 2) / math.sqrt(h.shape[1])  # a token a pixel
+        mixed, _ = self.attention(tokens, tokens, tokens)
+        return self.head(mixed.mean(1) + h.mean((2, 3)))
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "unet":
         return UNet()
+    if kind == "untraceable":
+        return Untraceable().eval()   # BatchNorm frozen: statistics of the global batch otherwise
     if kind == "torchvision-convnext":
         import torchvision  # noqa: PLC0415
         return torchvision.models.convnext_tiny(num_classes=CLASSES, stochastic_depth_prob=0.0)
@@ -81,7 +103,7 @@ def build(kind: str) -> nn.Module:
 
 
 SEGMENTATION = {"unet", "smp-unet"}
-SIDE = {"unet": 12, "torchvision-convnext": 32, "timm-convnext": 32, "smp-unet": 32}
+SIDE = {"unet": 12, "torchvision-convnext": 32, "timm-convnext": 32, "smp-unet": 32, "untraceable": 8}
 
 
 def data(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +175,44 @@ def test_library_models_train_like_one_process(kind, schedule, K, m, D):
     run(kind, schedule, K, m, D)
 
 
+@pytest.mark.parametrize("schedule,K,m,D", [("mast", 2, 1, 1), ("1f1b", 3, 2, 1), ("mast", 2, 1, 2)],
+                         ids=lambda v: str(v))
+def test_a_forward_only_torch_export_traces_trains_like_one_process(schedule, K, m, D):
+    run("untraceable", schedule, K, m, D)
+
+
+def test_torch_export_is_the_fallback_and_its_units_are_the_modules_calls():
+    model, twin = build("untraceable").train(), build("untraceable").train()
+    with pytest.raises(GemsError, match=r"cannot trace Untraceable.forward at .*len\(x\)"):
+        graph_units(model, (3, 8, 8), batch=2, tracer="fx")
+    units = graph_units(model, (3, 8, 8), batch=2)
+    names = units.unit_names
+    assert names[:3] == ["stem.0", "stem.1", "stem.2"] and names.count("attention") == 1 and names[-1] == "head"
+    assert isinstance(units[1].get_submodule("stem.1"), nn.BatchNorm2d)   # the engine's batch-norm modes apply
+    assert {units.model_key(k) for k in units.state_dict()} == set(model.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    ours, theirs = units(x), twin(x)
+    assert torch.equal(ours, theirs)
+    ours.square().sum().backward()
+    theirs.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert torch.equal(model.stem[1].running_var, twin.stem[1].running_var)   # the model's own buffers moved
+
+
+def test_both_tracers_cut_a_torchvision_model_into_the_same_units():
+    import torchvision  # noqa: PLC0415
+    model = torchvision.models.resnet18(num_classes=CLASSES).eval()
+    by_fx = graph_units(model, (3, 32, 32), batch=2, tracer="fx")
+    by_export = graph_units(model, (3, 32, 32), batch=2, tracer="export")
+    assert by_fx.unit_names == by_export.unit_names and len(by_fx) == 69
+    assert [u.meta for u in by_fx] == [u.meta for u in by_export] or \
+        [u.meta["gems_reads"] for u in by_fx] == [u.meta["gems_reads"] for u in by_export]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(by_fx(x), by_export(x))
+
+
 def test_units_are_named_by_module_path_and_run_the_models_forward():
     model = UNet().eval()
     units = graph_units(model, (3, 12, 12), batch=2)
@@ -205,6 +265,7 @@ def test_an_untraceable_forward_is_one_sentence_naming_the_line():
     message = str(info.value)
     assert message.startswith("cannot trace Holder.forward at ") and "test_any_model.py" in message
     assert "if x.sum() > 0" in message and "leaf_modules" in message
+    assert "torch.export failed too" in message   # the fallback was tried
     units = graph_units(Holder(), (3, 8, 8), batch=1, leaf_modules=[DataDependent])   # the fix works
     assert units.unit_names == ["stem", "inner"]
 

@@ -108,3 +108,11 @@ def test_batch_must_stay_first():
 def test_measure_times():
     times = measure_times(toy_model(), (3, 16, 16), 2, device="cpu", repeats=1)
     assert len(times) == 11 and all(t > 0 for t in times)
+
+
+def test_profiling_leaves_each_modules_mode_as_it_was():
+    # Fine-tuning: BatchNorm frozen (eval) inside units that train; profiling runs everything in
+    # training mode and must give each module its own mode back, not its unit's.
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4).eval()), nn.Flatten())
+    profile(model, (3, 8, 8), 2)
+    assert model.training and model[0].training and model[0][0].training and not model[0][1].training

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import signal
 import sys
 import time
 import traceback
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from gems.errors import USER_ERROR, GemsError
+from .abort import ABORT_GRACE, failure_line
 
 # A tuple of tensors travels as one message per tensor, tagged ``tag * TENSORS_PER_MESSAGE + index``,
 # so a boundary holds at most this many tensors and the largest user tag is (TAG_UB - 15) // 16.
@@ -239,35 +239,6 @@ def placement(world, device: torch.device,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return world.rank, world.size, local_rank, local_size, device
-
-
-ABORT_GRACE = 0.5  # seconds between printing the failure and aborting the job
-ABORT_DEADLINE = 5  # seconds after MPI_Abort by which this process is gone, whatever blocks its exit
-
-
-def mpi_abort(code: int) -> NoReturn:
-    """End the job through MPI_Abort (the launcher tears down every rank) with exit ``code``.
-
-    MPICH's MPI_Abort tells the launcher, then calls exit(), which runs the C atexit handlers and
-    static destructors of every loaded library while other threads (progress, data loading,
-    gloo) still run; one of them can block for ever, and a launcher told not to clean up
-    (``-disable-auto-cleanup``, srun without --kill-on-bad-exit) leaves the process behind. An
-    alarm whose default action ends the process needs neither the interpreter nor any lock."""
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with contextlib.suppress(ValueError):  # signal.signal only works on the main thread
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(ABORT_DEADLINE)
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)  # not reached: Abort ends the process
-
-
-def failure_line(rank: int, exc: BaseException) -> str:
-    """The one line a failing rank prints: ``gems: rank R failed: Type: message``."""
-    message = " ".join(str(exc).split())
-    return f"gems: rank {rank} failed: {type(exc).__name__}: {message}".rstrip()
 
 
 class Comm:

@@ -35,8 +35,9 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 from torch import Tensor
 
+from gems.comm.abort import mpi_abort
 from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, byte_ranges, check_group_ranks,
-                            max_message_bytes, message_tag, mpi_abort, placement)
+                            max_message_bytes, message_tag, placement)
 from gems.errors import GemsError
 
 # Pinned buffers kept for reuse: a rank holding two stages (mast) sends and receives at most

@@ -7,7 +7,8 @@
 ``torch.fx`` traces the model's forward symbolically with its usual leaves (the modules of
 ``torch.nn``, plus ``leaf_modules`` the caller names); one propagation on fake tensors at the
 plan's micro-batch shape (nothing allocated, no real forward) gives every value of the graph.
-Then:
+Where fx cannot trace the forward, ``torch.export`` does, and its ATen ops are grouped back into
+the calls of the same leaf modules (``gems.graph.export``). Then:
 
 * values that are not tensors -- sizes, ``x.shape[2:]``, counts -- become constants of the plan
   (shapes are static for a plan: batch and image size fixed), so no cut ever has to carry one;
@@ -40,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from torch import fx, nn
 
 from gems.errors import GemsError
+from .export import Together, export_graph
 from .routes import UNREAD, stage_routes
 from .split import INPLACE_INPUTS, READS, fold_constants, split
 from .trace import TRACING, VALUE, Tracer, untraceable
@@ -74,27 +76,43 @@ class GraphUnits(nn.Sequential):
 
 
 def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
-                leaf_modules: Iterable[type[nn.Module] | str] = ()) -> GraphUnits:
+                leaf_modules: Iterable[type[nn.Module] | str] = (), tracer: str = "auto") -> GraphUnits:
     """``model`` as ``GraphUnits`` for inputs of ``batch`` x ``input_shape`` (see module docstring).
 
     ``leaf_modules``: module classes, class names or module paths traced as one call (never cut
-    inside).
+    inside). ``tracer``: "fx", "export", or "auto" (fx, and torch.export where fx cannot).
     GemsError naming the offending line and the fix when the forward cannot be traced.
     ``torch.fx`` patches ``nn.Module`` process-wide while it traces: trace before starting other
     threads that run models (one trace at a time is enforced).
     """
-    tracer = Tracer(model, tuple(leaf_modules))
-    try:
-        with TRACING:
-            graph = tracer.trace(model, (batch, *input_shape))
-    except GemsError:
-        raise
-    except Exception as exc:  # noqa: BLE001 -- any tracing failure becomes one sentence
-        raise GemsError(untraceable(model, exc)) from None
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    values = {n: n.meta[VALUE] for n in gm.graph.nodes if VALUE in n.meta}
+    if tracer not in ("auto", "fx", "export"):
+        raise GemsError(f"tracer must be auto, fx or export, not {tracer!r}")
+    fx_tracer = Tracer(model, tuple(leaf_modules))
+    shape = (batch, *input_shape)
+    together: Together = {}
+    first: Exception | None = None
+    if tracer != "export":
+        try:
+            with TRACING:
+                graph = fx_tracer.trace(model, shape)
+            gm = fx.GraphModule(fx_tracer.root, graph, type(model).__name__)
+            values = {n: n.meta[VALUE] for n in gm.graph.nodes if VALUE in n.meta}
+        except GemsError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- fx cannot: torch.export may
+            if tracer == "fx":
+                raise GemsError(untraceable(model, exc)) from None
+            first = exc
+    if tracer == "export" or first is not None:
+        try:
+            with TRACING:
+                gm, values, together = export_graph(model, shape, fx_tracer.is_leaf_module)
+        except GemsError:
+            raise
+        except Exception as second:  # noqa: BLE001 -- neither can: one sentence
+            raise GemsError(untraceable(model, first or second, second if first else None)) from None
     fold_constants(gm.graph, values)
-    units, names = split(gm, values)
+    units, names = split(gm, values, together)
     return GraphUnits(units, names, model)
 
 

@@ -51,7 +51,11 @@ def fold_constants(graph: fx.Graph, values: dict[fx.Node, object]) -> None:
     graph.eliminate_dead_code()
 
 
-def split(gm: fx.GraphModule, values: dict[fx.Node, object]) -> tuple[list[fx.GraphModule], list[str]]:
+def split(gm: fx.GraphModule, values: dict[fx.Node, object],
+          together: dict[fx.Node, tuple[str, str]] | None = None) -> tuple[list[fx.GraphModule], list[str]]:
+    """The units of ``gm`` and their names; nodes that ``together`` maps to one (call, module path)
+    stay in one unit, named after the module."""
+    together = together or {}
     graph = gm.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
@@ -75,7 +79,8 @@ def split(gm: fx.GraphModule, values: dict[fx.Node, object]) -> tuple[list[fx.Gr
     alive = [inputs[0]]
     for i, node in enumerate(body):
         crossing = [n for n in alive if last_use[n] >= i]
-        if not groups or all(tensor(n) for n in crossing):
+        inside = i and together.get(node) is not None and together.get(node) == together.get(body[i - 1])
+        if not groups or (all(tensor(n) for n in crossing) and not inside):
             groups.append([])
         groups[-1].append(node)
         alive = [n for n in crossing + [node] if last_use[n] > i]
@@ -92,7 +97,7 @@ def split(gm: fx.GraphModule, values: dict[fx.Node, object]) -> tuple[list[fx.Gr
         if last:
             read.update(output.all_input_nodes)
         units[-1].meta[READS] = tuple(i for i, n in enumerate(live_in) if n in read)
-        names.append(_name(group))
+        names.append(together[group[0]][1] if group[0] in together else _name(group))
         live_in = live_out
     return units, _unique(names)
 
@@ -129,6 +134,9 @@ def _writes_in_place(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> bool:
         return False
     if user.op == "call_method":
         return str(user.target).endswith("_") and not str(user.target).startswith("_")
+    if isinstance(user.target, torch._ops.OpOverload):   # an ATen op (torch.export): its schema says
+        alias = user.target._schema.arguments[0].alias_info if user.target._schema.arguments else None
+        return alias is not None and alias.is_write
     if user.op == "call_function":
         return bool(user.kwargs.get("inplace")) or getattr(user.target, "__name__", "").endswith("_")
     if user.op == "call_module":
@@ -146,6 +154,8 @@ def _name(group: list[fx.Node]) -> str:
     stack = list((n.meta.get("nn_module_stack") or {}).values())
     owner = stack[-1][0] if stack else ""
     what = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    if isinstance(n.target, torch._ops.OpOverload):
+        what = n.target._opname.rstrip("_")   # add_ (in place) is named add, as fx names it
     if n.target is operator.getitem:
         what = "getitem"
     return f"{owner}:{what}" if owner else str(what)

@@ -138,12 +138,15 @@ class Tracer(fx.Tracer):
         return super().iter(obj)
 
 
-def untraceable(model: nn.Module, exc: Exception) -> str:
-    """One sentence: what fx could not trace, where in the user's code, and the fix."""
+def untraceable(model: nn.Module, exc: Exception, second: Exception | None = None) -> str:
+    """One sentence: what fx could not trace, where in the user's code, and the fix (and why the
+    fallback, ``torch.export``, could not either)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(TORCH_DIR)
               and not f.filename == __file__]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     reason = " ".join(str(exc).split())[:200]
-    return (f"cannot trace {type(model).__name__}.forward{where}: {type(exc).__name__}: {reason}; remove data-"
-            f"dependent control flow from the forward, or pass the module that holds it in leaf_modules "
+    also = f" (torch.export failed too: {type(second).__name__}: {' '.join(str(second).split())[:200]})" \
+        if second is not None else ""
+    return (f"cannot trace {type(model).__name__}.forward{where}: {type(exc).__name__}: {reason}{also}; remove "
+            f"data-dependent control flow from the forward, or pass the module that holds it in leaf_modules "
             f"(--leaf-module) so that it runs as one unit")
