@@ -26,7 +26,7 @@ from torch import nn
 
 from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
-from gems.graph import balance_at, graph_units, stage_routes
+from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
 from gems.pipeline.routes import Routes
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
@@ -117,9 +117,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     shape = _input_shape(input_shape)
     torch_dtype = _dtype(dtype)
     leaves = [c if isinstance(c, str) else c.__name__ for c in leaf_modules]
-    traced = not isinstance(model, nn.Sequential)
-    if traced:   # any nn.Module: its chain of units (gems.graph)
-        model = graph_units(model, shape, batch_size // split, leaves)
+    if not isinstance(model, GraphUnits):   # any nn.Module: its chain of units (gems.graph)
+        model = graph_units(model, shape, batch_size // split, leaves, model_name=name)
     n = len(model)
     if n == 0:
         raise GemsError(f"{name} has no units to run: give it at least one module")
@@ -154,8 +153,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
-    if traced:
-        result.leaf_modules = leaves   # the engine traces the model the same way
+    result.leaf_modules = leaves   # the engine traces the model the same way
     return result
 
 

@@ -43,11 +43,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
-from gems.graph import READS
+from gems.graph import READS, input_error
 from .records import ModelProfile, Storage, UnitProfile
 from .tracking import Allocations, Precision, StorageKeys, storage_bytes, tensor_bytes
 
@@ -252,15 +252,7 @@ class _Run:
                                 f"dimension is not the batch ({self.batch}): keep the batch first in every unit output")
 
     def _input_error(self, i: int, error: Exception) -> GemsError:
-        if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
-            return GemsError(f"unit {self.names[i]} of {self.model_name} reads tensor values to decide shapes or "
-                             f"control flow ({error}), which a fake-tensor profile cannot follow: make its forward "
-                             "depend on tensor shapes only")
-        shape = "x".join(str(d) for d in self.input_shape)
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        small = any(words in reason.lower() for words in ("small", "more than 1 value", "greater than", "less than"))
-        fix = "use a larger image size" if small else "use an input shape the model accepts"
-        return GemsError(f"{self.model_name} cannot take {shape} input (unit {self.names[i]}: {reason}); {fix}")
+        return input_error(self.model_name, self.names[i], self.input_shape, error)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

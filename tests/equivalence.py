@@ -186,8 +186,7 @@ def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: 
         applied.append(engine.last_step_applied)
     offloads = [r.offload for r in engine.runners.values() if r.offload is not None]
     return Result(rank=comm.rank, losses=losses, state=engine.state_dict(),
-                  stage_state={k: v.detach().cpu().clone() for s in engine.stages.values()
-                               for k, v in s.state_dict().items()},
+                  stage_state={k: v for s in engine.stages for k, v in engine.stage_state(s)["model"].items()},
                   calls=calls, expected_calls=expected_unit_calls(engine),
                   offloaded=sum(o.bytes for o in offloads), fetched_back=not any(o.saved for o in offloads),
                   waiting=[plan.cuts[a.stage + 1] - plan.cuts[a.stage] for a in sch.waiting_forwards(engine.actions)],

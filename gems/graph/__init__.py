@@ -41,12 +41,14 @@ from collections.abc import Iterable, Sequence
 from torch import fx, nn
 
 from gems.errors import GemsError
+from .chain import chain_graph, input_error
 from .export import Together, export_graph
 from .routes import UNREAD, stage_routes
-from .split import INPLACE_INPUTS, READS, fold_constants, split
+from .split import INPLACE_INPUTS, READS, fold_constants, split, unpack_tuples
 from .trace import TRACING, VALUE, Tracer, untraceable
 
-__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "stage_routes", "INPLACE_INPUTS", "READS", "UNREAD"]
+__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "stage_routes", "input_error", "INPLACE_INPUTS",
+           "READS", "UNREAD"]
 
 
 class GraphUnits(nn.Sequential):
@@ -76,11 +78,13 @@ class GraphUnits(nn.Sequential):
 
 
 def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
-                leaf_modules: Iterable[type[nn.Module] | str] = (), tracer: str = "auto") -> GraphUnits:
+                leaf_modules: Iterable[type[nn.Module] | str] = (), tracer: str = "auto",
+                model_name: str | None = None) -> GraphUnits:
     """``model`` as ``GraphUnits`` for inputs of ``batch`` x ``input_shape`` (see module docstring).
 
     ``leaf_modules``: module classes, class names or module paths traced as one call (never cut
-    inside). ``tracer``: "fx", "export", or "auto" (fx, and torch.export where fx cannot).
+    inside). ``tracer``: "fx", "export", or "auto" (an ``nn.Sequential``'s children are its units,
+    as written (``gems.graph.chain``); any other module by fx, and by torch.export where fx cannot).
     GemsError naming the offending line and the fix when the forward cannot be traced.
     ``torch.fx`` patches ``nn.Module`` process-wide while it traces: trace before starting other
     threads that run models (one trace at a time is enforced).
@@ -91,7 +95,9 @@ def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
     shape = (batch, *input_shape)
     together: Together = {}
     first: Exception | None = None
-    if tracer != "export":
+    if isinstance(model, nn.Sequential) and tracer == "auto":   # its children are its units
+        gm, values = chain_graph(model, shape, model_name)
+    elif tracer != "export":
         try:
             with TRACING:
                 graph = fx_tracer.trace(model, shape)
@@ -112,6 +118,7 @@ def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
         except Exception as second:  # noqa: BLE001 -- neither can: one sentence
             raise GemsError(untraceable(model, first or second, second if first else None)) from None
     fold_constants(gm.graph, values)
+    unpack_tuples(gm.graph, values)
     units, names = split(gm, values, together)
     return GraphUnits(units, names, model)
 

@@ -51,6 +51,41 @@ def fold_constants(graph: fx.Graph, values: dict[fx.Node, object]) -> None:
     graph.eliminate_dead_code()
 
 
+def pack(*parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tuple a module returned, rebuilt from its tensors where a consumer takes it whole."""
+    return parts
+
+
+def unpack_tuples(graph: fx.Graph, values: dict[fx.Node, object]) -> None:
+    """Let a tuple of tensors cross unit boundaries (an AmoebaNet cell returns ``(prev, cur)`` and
+    the next cell takes it whole): its tensors are taken out right where it is made, and each
+    consumer that takes it whole gets it rebuilt (``pack``) right before it, so what crosses a
+    boundary is the tensors."""
+    for node in list(graph.nodes):
+        value = values.get(node)
+        if node.op == "output" or not isinstance(value, (tuple, list)) or not value \
+                or not all(isinstance(v, torch.Tensor) for v in value):
+            continue
+        whole = [u for u in node.users if not (u.target is operator.getitem and u.args[0] is node)]
+        if not whole:
+            continue
+        with graph.inserting_after(node):
+            parts = []
+            for i in reversed(range(len(value))):
+                parts.insert(0, graph.call_function(operator.getitem, (node, i)))
+                values[parts[0]] = value[i]
+        for user in whole:
+            with graph.inserting_before(user):
+                rebuilt = graph.call_function(pack if isinstance(value, tuple) else _pack_list, tuple(parts))
+            values[rebuilt] = value
+            user.args = fx.node.map_aggregate(user.args, lambda a: rebuilt if a is node else a)
+            user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a: rebuilt if a is node else a)
+
+
+def _pack_list(*parts: torch.Tensor) -> list[torch.Tensor]:
+    return list(parts)
+
+
 def split(gm: fx.GraphModule, values: dict[fx.Node, object],
           together: dict[fx.Node, tuple[str, str]] | None = None) -> tuple[list[fx.GraphModule], list[str]]:
     """The units of ``gm`` and their names; nodes that ``together`` maps to one (call, module path)

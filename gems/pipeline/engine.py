@@ -1,8 +1,8 @@
 """The engine: trains a plan's stages on this rank, a thin facade over the pipeline's parts.
 
-Every rank builds the whole model, turns it into the plan's chain of units (an
-``nn.Sequential`` as it is; any other module through ``gems.graph.graph_units``, at the plan's
-micro-batch shape), keeps the stages its position holds (``units[lo:hi]``; their state dicts
+Every rank builds the whole model, turns it into the plan's chain of units
+(``gems.graph.graph_units`` at the plan's micro-batch shape: an ``nn.Sequential``'s children, any
+other module traced), keeps the stages its position holds (``units[lo:hi]``; their state dicts
 map back to the model's own keys) and executes ``schedule(plan.schedule, K, m)[position]``
 each step. The parts, each in a module of its own:
 
@@ -81,7 +81,7 @@ class Engine:
                  timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
         check_mode(batch_norm)
-        if not isinstance(model, nn.Sequential):   # any nn.Module: the plan's chain of units
+        if not isinstance(model, GraphUnits):   # any nn.Module: the plan's chain of units
             model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
         if plan.cuts[-1] != len(model) or getattr(model, "unit_names", plan.unit_names) != plan.unit_names:
             raise GemsError(f"the plan was made for {plan.cuts[-1]} units that the model does not have (it has "
