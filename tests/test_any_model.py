@@ -293,3 +293,34 @@ def test_other_forward_arguments_take_their_defaults():
     with pytest.raises(GemsError, match="NeedsTwo.forward needs y besides the image batch; .* give the other "
                                         "arguments defaults"):
         graph_units(NeedsTwo(), (3, 4, 4), batch=1)
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, 2 * x
+
+
+class Both(nn.Module):
+    def forward(self, pair):
+        a, b = pair
+        return a + b, b
+
+
+class Sum(nn.Module):
+    def forward(self, pair):
+        return pair[0] - pair[1]
+
+
+def test_a_sequential_takes_the_same_path_with_its_children_as_units():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Pair(), Both(), Sum(), nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(2, 3, 6, 6))   # materialise the lazy head
+    units = graph_units(model, (3, 6, 6), batch=2)
+    assert units.unit_names == ["0", "1", "2", "3", "4", "5"]
+    # a tuple crosses a boundary as its tensors, and each consumer takes it whole again
+    assert [len(u.meta["gems_live_in"]) for u in units] == [1, 1, 2, 2, 1, 1]
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        assert torch.equal(units(x), model(x))
+    assert {units.model_key(k) for k in units.state_dict()} == set(model.state_dict())
+    plan = partition.plan(model, input_shape=(3, 6, 6), batch_size=2, stages=3, schedule="gpipe", balance=[2, 1, 3])
+    assert plan.routes[1:] == [[[0, 0, True], [0, 1, True]], [[1, 0, True], [1, 1, True]]]   # pairs, neighbour to neighbour

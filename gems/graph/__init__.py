@@ -8,13 +8,16 @@
 ``torch.nn``, plus ``leaf_modules`` the caller names); one propagation on fake tensors at the
 plan's micro-batch shape (nothing allocated, no real forward) gives every value of the graph.
 Where fx cannot trace the forward, ``torch.export`` does, and its ATen ops are grouped back into
-the calls of the same leaf modules (``gems.graph.export``). Then:
+the calls of the same leaf modules (``gems.graph.export``). An ``nn.Sequential`` is not traced:
+its children are its units, its graph is written down (``gems.graph.chain``). Then:
 
 * values that are not tensors -- sizes, ``x.shape[2:]``, counts -- become constants of the plan
   (shapes are static for a plan: batch and image size fixed), so no cut ever has to carry one;
+* a tuple of tensors that a consumer takes whole is taken apart where it is made and rebuilt
+  before that consumer, so its tensors may cross boundaries one by one;
 * the nodes, in the traced (topological) order, are grouped into units: a node starts a new unit
-  unless a value that is not a tensor (a tuple a module returned, a dtype) would cross the
-  boundary before it, so every boundary between units is one the planner may cut;
+  unless a value that is not a tensor (a nested tuple, a dtype) would cross the boundary before
+  it, so every boundary between units is one the planner may cut;
 * each unit becomes a small ``GraphModule`` that takes the tensors alive before it and returns
   the tensors alive after it (its own results and the ones it passes on). The result is an
   ``nn.Sequential`` of those units (``GraphUnits``): what the planner profiles and the engine
