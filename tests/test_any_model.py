@@ -84,8 +84,22 @@ class Untraceable(nn.Module):
         return self.head(mixed.mean(1) + h.mean((2, 3)))
 
 
+class ViewWrite(nn.Module):
+    """An in-place activation on a view of a stage's input (torchvision's EfficientNet: flatten,
+    then Dropout(inplace=True)): the stage must write a copy, not the received tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Linear(4 * 8 * 8, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.act(torch.flatten(self.conv(x), 1)))
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "view-write":
+        return ViewWrite()
     if kind == "unet":
         return UNet()
     if kind == "untraceable":
@@ -103,7 +117,7 @@ def build(kind: str) -> nn.Module:
 
 
 SEGMENTATION = {"unet", "smp-unet"}
-SIDE = {"unet": 12, "torchvision-convnext": 32, "timm-convnext": 32, "smp-unet": 32, "untraceable": 8}
+SIDE = {"unet": 12, "torchvision-convnext": 32, "timm-convnext": 32, "smp-unet": 32, "untraceable": 8, "view-write": 8}
 
 
 def data(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,11 +147,11 @@ def reference(kind: str, batch: int) -> tuple[dict[str, torch.Tensor], list[floa
     return model.state_dict(), losses
 
 
-def run(kind: str, schedule: str, K: int, m: int, D: int) -> None:
+def run(kind: str, schedule: str, K: int, m: int, D: int, split_points: list[str] | None = None) -> None:
     batch = D * sch.replicas(schedule) * m * 2
     model = build(kind)
     plan = partition.plan(model, input_shape=(3, SIDE[kind], SIDE[kind]), batch_size=batch, stages=K,
-                          schedule=schedule, micro_batches=m, groups=D)
+                          schedule=schedule, micro_batches=m, groups=D, split_points=split_points)
     # torch.fx patches nn.Module process-wide while it traces, so the loopback ranks (threads of
     # this process) get the traced units, made here; ranks that are processes pass the model.
     units = graph_units(model, plan.input_shape, plan.micro_batch_size)
@@ -179,6 +193,11 @@ def test_library_models_train_like_one_process(kind, schedule, K, m, D):
                          ids=lambda v: str(v))
 def test_a_forward_only_torch_export_traces_trains_like_one_process(schedule, K, m, D):
     run("untraceable", schedule, K, m, D)
+
+
+@pytest.mark.parametrize("schedule", ["mast", "gpipe"])
+def test_a_stage_writing_in_place_through_a_view_of_its_input_trains_like_one_process(schedule):
+    run("view-write", schedule, 2, 2, 1, split_points=["flatten"])
 
 
 def test_torch_export_is_the_fallback_and_its_units_are_the_modules_calls():

@@ -9,6 +9,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gems.errors import GemsError
 
@@ -120,6 +121,9 @@ def split(gm: fx.GraphModule, values: dict[fx.Node, object],
         groups[-1].append(node)
         alive = [n for n in crossing + [node] if last_use[n] > i]
     written = {n for n in [*inputs, *body] if any(_writes_in_place(gm, u, n) for u in n.users)}
+    for n in reversed([*inputs, *body]):   # a write through a view (flatten, then an in-place dropout) writes its base
+        if n in written:
+            written.update(a for a in n.all_input_nodes if _aliases(values.get(a), values.get(n)))
     units, names, live_in = [], [], [inputs[0]]
     for k, group in enumerate(groups):
         last = k + 1 == len(groups)   # the last unit returns the model's output instead
@@ -160,6 +164,12 @@ def _unit(gm: fx.GraphModule, group: list[fx.Node], live_in: list[fx.Node], live
         outs = [env[n] for n in live_out]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     return fx.GraphModule(gm, graph, "Unit")
+
+
+def _aliases(a: object, b: object) -> bool:
+    """Whether two values are tensors over one storage (one a view of the other)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
 
 
 def _writes_in_place(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> bool:
