@@ -3,7 +3,8 @@ skips at every level, a 1x1 residual from the input to the logits, per-pixel cro
 torchvision's convnext_tiny, timm's convnext_atto and segmentation_models_pytorch's Unet
 (resnet34 encoder, BatchNorm in eval mode), and a network whose forward torch.fx cannot trace
 (sizes through len and math, attention called with three arguments: torch.export's fallback),
-split by the graph front-end (gems.graph) and run on loopback ranks (one thread each) under mast, gpipe and 1f1b, K up to 4, m up to 4, D up to 2.
+split by the graph front-end (gems.graph) and run on loopback ranks (one thread each) under mast,
+gpipe and 1f1b, K up to 4, m up to 4, D up to 2.
 
 Compared with one process training the same model on the same global batches: parameters and
 losses within 1e-5 (relative), three SGD-momentum steps; the engine's state dict has exactly the
@@ -90,7 +91,8 @@ class ViewWrite(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv, self.act, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Linear(4 * 8 * 8, CLASSES)
+        self.conv, self.act = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True)
+        self.head = nn.Linear(4 * 8 * 8, CLASSES)
 
     def forward(self, x):
         return self.head(self.act(torch.flatten(self.conv(x), 1)))
@@ -342,4 +344,5 @@ def test_a_sequential_takes_the_same_path_with_its_children_as_units():
         assert torch.equal(units(x), model(x))
     assert {units.model_key(k) for k in units.state_dict()} == set(model.state_dict())
     plan = partition.plan(model, input_shape=(3, 6, 6), batch_size=2, stages=3, schedule="gpipe", balance=[2, 1, 3])
-    assert plan.routes[1:] == [[[0, 0, True], [0, 1, True]], [[1, 0, True], [1, 1, True]]]   # pairs, neighbour to neighbour
+    # pairs, neighbour to neighbour
+    assert plan.routes[1:] == [[[0, 0, True], [0, 1, True]], [[1, 0, True], [1, 1, True]]]
