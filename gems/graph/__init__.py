@@ -94,13 +94,14 @@ def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
     """
     if tracer not in ("auto", "fx", "export"):
         raise GemsError(f"tracer must be auto, fx or export, not {tracer!r}")
-    fx_tracer = Tracer(model, tuple(leaf_modules))
     shape = (batch, *input_shape)
     together: Together = {}
     first: Exception | None = None
     if isinstance(model, nn.Sequential) and tracer == "auto":   # its children are its units
         gm, values = chain_graph(model, shape, model_name)
-    elif tracer != "export":
+        return GraphUnits(*_units(gm, values, together), model)
+    fx_tracer = Tracer(model, tuple(leaf_modules))
+    if tracer != "export":
         try:
             with TRACING:
                 graph = fx_tracer.trace(model, shape)
@@ -120,10 +121,14 @@ def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
             raise
         except Exception as second:  # noqa: BLE001 -- neither can: one sentence
             raise GemsError(untraceable(model, first or second, second if first else None)) from None
+    return GraphUnits(*_units(gm, values, together), model)
+
+
+def _units(gm: fx.GraphModule, values: dict, together: Together) -> tuple[list[fx.GraphModule], list[str]]:
+    """The units of a model's graph, whichever way it was made, and their names."""
     fold_constants(gm.graph, values)
     unpack_tuples(gm.graph, values)
-    units, names = split(gm, values, together)
-    return GraphUnits(units, names, model)
+    return split(gm, values, together)
 
 
 def check_tied(units: nn.Sequential, cuts: Sequence[int]) -> None:

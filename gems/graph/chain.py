@@ -13,6 +13,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from gems.errors import GemsError
+from .trace import fake_state, state_of
 
 
 def chain_graph(model: nn.Sequential, shape: tuple[int, ...], model_name: str | None = None
@@ -20,8 +21,7 @@ def chain_graph(model: nn.Sequential, shape: tuple[int, ...], model_name: str | 
     """``model``'s children as one ``call_module`` each, and every node's fake value on a batch of
     ``shape``. GemsError (``input_error``) where a child cannot take what the previous one gives."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = {n: mode.from_tensor(t) for n, t in [*model.named_parameters(remove_duplicate=False),
-                                                 *model.named_buffers(remove_duplicate=False)]}
+    state = fake_state(mode, model)
     device = next(iter(state.values())).device if state else torch.device("cpu")
     graph = fx.Graph()
     node = graph.placeholder("x")
@@ -30,9 +30,8 @@ def chain_graph(model: nn.Sequential, shape: tuple[int, ...], model_name: str | 
     values: dict[fx.Node, object] = {node: value}
     for name, child in model.named_children():
         node = graph.call_module(name, (node,))
-        own = {k[len(name) + 1:]: t for k, t in state.items() if k.startswith(name + ".")}
         try:
-            values[node] = _fake_call(mode, child, own, value)
+            values[node] = _fake_call(mode, child, state_of(state, name), value)
         except GemsError:
             raise
         except (RuntimeError, ValueError, IndexError, TypeError) as error:

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from gems.errors import GemsError
+from .trace import fake_state, state_of
 
 # node -> (the leaf call it belongs to, the module's path): nodes of one call stay in one unit,
 # which is named after the module
@@ -81,13 +82,15 @@ def _collapse(gm: fx.GraphModule, model: nn.Module, values: dict[fx.Node, object
         else:
             calls.append((*found, [node]))
     together: Together = {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = fake_state(mode, model)
     for key, path, nodes in calls:
         inside = set(nodes)
         inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
         source = next(iter(inputs)) if len(inputs) == 1 else None
-        if source is None or len(outputs) != 1 or \
-                not _maps(model.get_submodule(path), values.get(source), values.get(outputs[0])):
+        if source is None or len(outputs) != 1 or not _maps(
+                mode, model.get_submodule(path), state_of(state, path), values.get(source), values.get(outputs[0])):
             together.update((n, (key, path)) for n in nodes)
             continue
         _set_submodule(gm, path, model.get_submodule(path))
@@ -103,15 +106,15 @@ def _collapse(gm: fx.GraphModule, model: nn.Module, values: dict[fx.Node, object
     return together
 
 
-def _maps(module: nn.Module, value: object, result: object) -> bool:
+def _maps(mode: FakeTensorMode, module: nn.Module, state: dict[str, torch.Tensor], value: object,
+          result: object) -> bool:
     """Whether calling ``module`` on a tensor like ``value`` alone gives a tensor like ``result``
-    (so the call can stand for the ATen ops): tried on fake tensors and fake copies of its state."""
+    (so the call can stand for the ATen ops): tried on fake tensors and ``state``, fake copies of
+    its parameters and buffers."""
     if not isinstance(value, torch.Tensor) or not isinstance(result, torch.Tensor):
         return False
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode, torch.no_grad():
-            state = {n: mode.from_tensor(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
             fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
             out = torch.func.functional_call(module, state, (fake,))
     except Exception:  # noqa: BLE001 -- takes other arguments, or fails alone: keep its ATen ops

@@ -21,6 +21,18 @@ VALUE = "gems_value"   # node.meta key: the node's value on the fake input
 TRACING = threading.Lock()   # fx patches nn.Module process-wide while it traces: one trace at a time
 
 
+def fake_state(mode: FakeTensorMode, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Fake copies of ``model``'s parameters and buffers, by name (a shared one under each of its names)."""
+    return {name: mode.from_tensor(t) for name, t in
+            [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+
+
+def state_of(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` inside the module at ``path``, named relative to it (for
+    ``torch.func.functional_call`` of that module)."""
+    return {name[len(path) + 1:]: t for name, t in state.items() if name.startswith(path + ".")}
+
+
 class Tracer(fx.Tracer):
     """``torch.fx`` symbolic tracing that also knows every value on a fake input of the plan's
     shape, so a forward may branch on shapes (``if h.shape[-1] != skip.shape[-1]``), unpack
@@ -34,8 +46,7 @@ class Tracer(fx.Tracer):
         self.leaf_types = tuple(c for c in leaves if isinstance(c, type))
         self.leaf_paths = {p for p in leaves if isinstance(p, str)}
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.fake = {name: self.mode.from_tensor(t) for name, t in
-                     [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+        self.fake = fake_state(self.mode, model)
         self.computing = False     # running real code on fake values: no nodes
         self._forward = None       # the original call of the leaf module being traced
         self._shape: tuple[int, ...] = ()
@@ -118,8 +129,7 @@ class Tracer(fx.Tracer):
                     node.meta[VALUE] = getattr(a[0], target)(*a[1:], **k)
                 else:
                     module, _ = self._forward
-                    state = {n[len(target) + 1:]: t for n, t in self.fake.items() if n.startswith(target + ".")}
-                    node.meta[VALUE] = torch.func.functional_call(module, state, a, k)
+                    node.meta[VALUE] = torch.func.functional_call(module, state_of(self.fake, target), a, k)
         except Exception:  # noqa: BLE001 -- unknown value: only branching on it fails
             pass
         finally:
