@@ -31,6 +31,7 @@ setup(
             "gems-export=gems.cli.export:main",
             "gems-bench=gems.cli.bench:main",
             "gems-data=gems.cli.data:main",
+            "gems-sim=gems.cli.sim:main",
         ],
     },
 )

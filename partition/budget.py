@@ -69,7 +69,7 @@ def relax(costs: CostModel, cuts: list[int], allowed: list[str], budget: int) ->
 
 
 def smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget: int, name: str,
-                     policies: PolicyModel, kind: str) -> int:
+                     policies: PolicyModel, kind: str, split: bool = False) -> int:
     """The least stage count above K whose memory-balanced partition fits ``budget`` with
     ``kind`` on every stage.
 
@@ -92,7 +92,7 @@ def smallest_fitting(prof: ModelProfile, schedule: str, K: int, m: int, budget: 
     for k in range(K + 1, n + 1):
         if memory_average(prof, k, kept) > budget:
             continue
-        costs = CostModel(prof, schedule, k, m, None, policies, kind)
+        costs = CostModel(prof, schedule, k, m, None, policies, kind, split)
         if costs.memory_lower_bound() > budget:
             continue
         if solve(n, k, costs.memory, costs.peak, costs.mirror, limit=budget, refine=False,

@@ -144,11 +144,12 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
                  unit_times: Sequence[float] | None = None, policies: PolicyModel | None = None,
-                 kind: str = "none") -> None:
+                 kind: str = "none", split: bool = False) -> None:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
+        self.split = split   # backward split into input and weight halves (gems.pipeline.splitgrad)
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
-        lists = schedules.schedule(schedule, K, micro_batches)
+        lists = schedules.schedule(schedule, K, micro_batches, split=split)
         self.moments = [schedules.moments(actions) for actions in lists]
         self.host_moments = [host_moments(actions) for actions in lists]
         self.in_flight = [schedules.most_alive(moments) for moments in self.moments]

@@ -53,7 +53,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          host_bandwidth: float | str = HOST_BANDWIDTH, device_flops: float = V100_FLOPS,
          efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
          comm: str | None = None, split_points: Sequence[str] | None = None,
-         leaf_modules: Sequence[type[nn.Module] | str] = ()) -> Plan:
+         leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -142,14 +142,14 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     policies = PolicyModel(prof, device, *unit_seconds(prof, rate, unit_times), bandwidth)
     allowed = kinds(recompute, offload, device, budget is not None)
     job = _Job(prof, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp)
-    costs = CostModel(prof, schedule, K, m, unit_times, policies, allowed[0])
+    costs = CostModel(prof, schedule, K, m, unit_times, policies, allowed[0], split_backward)
     cuts, loads = _cut(costs, balance_by, cuts)
     result = job.assemble(costs, cuts, loads, balance_by, _uniform(policies, costs, cuts, allowed[0]))
     if budget is not None and not result.fits and len(allowed) > 1:
         result = _fit(job, costs, cuts, loads, balance_by, allowed, recut=balance is None)
     if budget is not None and not result.fits:
         result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, job.room, name, policies,
-                                                          allowed[-1])
+                                                          allowed[-1], split_backward)
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
@@ -201,7 +201,8 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
     when none fits."""
     options = [(cuts, loads, balance_by)]
     if recut:
-        lean = CostModel(costs.profile, costs.schedule, costs.K, costs.m, None, job.policies, allowed[-1])
+        lean = CostModel(costs.profile, costs.schedule, costs.K, costs.m, None, job.policies, allowed[-1],
+                         costs.split)
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
@@ -307,10 +308,12 @@ class _Job:
             device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
             device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
             forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges),
-            routes=edges.routes)
+            routes=edges.routes, split_backward=costs.split,
+            order=schedules.variant(costs.schedule, K, costs.m, costs.split))
         if any(p.kind != "none" for p in policies):
             def step(costs_of_plan) -> float:
-                return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups).step_time
+                return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups,
+                                split=result.split_backward).step_time
             timed = costs_from_plan(result, self.rate, 1.0)
             result.step_seconds = step(timed)
             runs = result.micro_batches * schedules.replicas(result.schedule)

@@ -3,8 +3,8 @@
 Every rank builds the whole model, turns it into the plan's chain of units
 (``gems.graph.graph_units`` at the plan's micro-batch shape: an ``nn.Sequential``'s children, any
 other module traced), keeps the stages its position holds (``units[lo:hi]``; their state dicts
-map back to the model's own keys) and executes ``schedule(plan.schedule, K, m)[position]``
-each step. The parts, each in a module of its own:
+map back to the model's own keys) and executes its list of ``schedule(plan.schedule, K, m)``
+(split backward: ``plan.split_backward``) each step. The parts, each in a module of its own:
 
     MicroBatches  (batches)   rows of the global batch per group, replica, micro-batch; loss scale
     StageRunner   (stage)     one stage's forward under its memory policy (recompute, offload)
@@ -95,13 +95,13 @@ class Engine:
         self.device = comm.device if device is None else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.loss_fn = as_sum_loss(loss_fn)
-        self.autocast, self.prefetch = autocast, prefetch
+        self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
         self.K, self.m = plan.stages, plan.micro_batches
         self.topology = Topology(comm.size, self.K, plan.schedule)
         self.group, self.position = self.topology.coords(comm.rank)
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
-        self.actions = (lists := sch.schedule(plan.schedule, self.K, self.m, routes.skips))[self.position]
+        lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)
+        self.actions = lists[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         graph = isinstance(model, GraphUnits)

@@ -8,7 +8,10 @@
 - backward: autograd from the loss or from the output gradients received on its outgoing edges
   (summed where several stages read one output); the input gradients are kept, per incoming
   edge, for the sends that follow. What its forward offloaded is prefetched as the compute
-  action before it begins (``schedule.prefetch_points``), so the copy back runs beside that action;
+  action before it begins (``schedule.prefetch_points``), so the copy back runs beside that action.
+  Split (``gems.pipeline.splitgrad``): backward_input computes the input gradients and keeps the
+  graph, backward_weight the parameters' gradients later (a recomputing forward's whole backward
+  runs in backward_input: a second half would recompute its segments again);
 - send / recv: through the ``Messenger``; sync / step: through ``GradSync``.
 
 Every action is timed (``ActionTimer``) for traces and gems-bench.
@@ -25,6 +28,7 @@ from gems.pipeline.loss import SumLoss
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.schedule import prefetch_points
+from gems.pipeline.splitgrad import Pending, input_half, weight_half
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.timing import ActionTimer
 
@@ -52,7 +56,9 @@ class Executor:
         self._images: torch.Tensor | None = None
         self._labels: torch.Tensor | None = None
         self._prefetch = prefetch_points(actions)
+        self._pending: dict[Key, Pending] = {}      # input half done, weight half to come
         self._run = {ir.FORWARD: self._forward, ir.BACKWARD: self._backward,
+                     ir.BACKWARD_INPUT: self._backward_input, ir.BACKWARD_WEIGHT: self._backward_weight,
                      ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
                      ir.SEND_ACT: lambda a: messenger.send(a, routes.sent(self._edge(a), self._stash[_key(a)][1])),
                      ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop((_key(a), self._edge(a)))),
@@ -111,15 +117,42 @@ class Executor:
             out = (loss,)
         self._stash[key] = (received, out)
 
+    def _seeds(self, a: ir.Action, out: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The tensors a backward starts from and their gradients (None: the scalar loss)."""
+        if a.stage == self.last_stage:
+            return list(out), None
+        pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, _key(a))))
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
     def _backward(self, a: ir.Action) -> None:
         key = _key(a)
         received, out = self._stash.pop(key)
-        if a.stage == self.last_stage:
-            torch.autograd.backward(out)
-        else:
-            pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, key)))
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        outputs, grads = self._seeds(a, out)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self._keep_input_grads(key, received)
+
+    def _backward_input(self, a: ir.Action) -> None:
+        key = _key(a)
+        runner = self.runners[a.stage]
+        if runner.recomputes(key in self.waiting):
+            # its recomputed tensors are dropped as the backward reads them, so a second half
+            # would recompute the segments again: the whole backward runs now, the weight half
+            # finds nothing left to do
+            self._backward(a)
+            return
+        received, out = self._stash.pop(key)
+        outputs, grads = self._seeds(a, out)
+        leaves = [t for tensors in received.values() for t in tensors]
+        self._pending[key] = input_half(outputs, grads, leaves, runner.params)
+        self._keep_input_grads(key, received)
+
+    def _backward_weight(self, a: ir.Action) -> None:
+        pending = self._pending.pop(_key(a), None)
+        if pending is not None:
+            weight_half(pending)
+
+    def _keep_input_grads(self, key: Key, received: dict) -> None:
         for edge, tensors in received.items():
             self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors)
 

@@ -13,6 +13,9 @@ Action kinds
 =============  =======================================================================
 ``forward``    run ``stage`` of ``replica`` on micro-batch ``micro``
 ``backward``   its backward (input and weight gradients in one pass)
+``backward_input``   the split backward's first half: the gradient of the stage's input (what
+               the previous stage waits for), keeping what the second half needs
+``backward_weight``  the second half: the gradients of the stage's parameters
 ``send_act``   send ``stage``'s output to the position running ``stage + 1`` (or ``other``)
 ``recv_act``   receive ``stage``'s input from the position running ``stage - 1`` (or ``other``)
 ``send_grad``  send the gradient of ``stage``'s input to the position running ``stage - 1`` (or ``other``)
@@ -46,7 +49,7 @@ deadlock a transport with one ordered queue per pair and cannot swap two message
 over the replay, the first send the replay made that a real run has not completed finds every
 transfer ahead of it posted on both sides, in the same order (tests/test_equivalence.py runs
 every layout under such a transport).
-Later features extend this module (split backward, forward-only evaluation, halo exchanges):
+Later features extend this module (forward-only evaluation, halo exchanges):
 a new kind of work is a new action kind here, not a side channel.
 """
 from __future__ import annotations
@@ -55,13 +58,16 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 FORWARD, BACKWARD = "forward", "backward"
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 SEND_ACT, RECV_ACT = "send_act", "recv_act"
 SEND_GRAD, RECV_GRAD = "send_grad", "recv_grad"
 SYNC, STEP = "sync", "step"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+GRADIENT = (BACKWARD, BACKWARD_INPUT)   # the backward that makes the stage's input gradient
+LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
 SENDS = (SEND_ACT, SEND_GRAD)
 RECVS = (RECV_ACT, RECV_GRAD)
-OPS = (FORWARD, BACKWARD, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, SYNC, STEP)
+OPS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, SYNC, STEP)
 
 REPLICA_NAMES = ("d", "u")  # down, up
 MESSAGE_KINDS = ("act", "grad")

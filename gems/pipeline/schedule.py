@@ -19,22 +19,27 @@ K = 2, m = 1, ``mast`` (forward 1 tick, backward 2)::
     position 0 | F d.s0 | F u.s1 | B u.s1  B u.s1 | B d.s0  B d.s0 |
     position 1 | F u.s0 | F d.s1 | B d.s1  B d.s1 | B u.s0  B u.s0 |
 
-Orders are produced by one greedy list scheduler (forward 1 tick, backward 2 ticks,
-messages free): at every tick an idle position starts the ready task of highest priority.
-Because a position executes its list in a fixed order and only waits on messages,
-an order that completes in one timing completes in every timing; ``gems.pipeline.validate``
-re-checks that by simulation.
+Orders are produced by one greedy list scheduler (``gems.pipeline.ordering``: forward 1 tick,
+backward 2 ticks, messages free): at every tick an idle position starts the ready task its rule
+ranks first; for ``mast`` the schedule search (``gems.pipeline.search``) compares several rules
+and in-flight caps and keeps the shortest step within the memory bound. With ``split=True`` each
+backward becomes an input-gradient and a weight-gradient action, and the weight-gradients fill
+bubbles (as zero-bubble pipelines do). Because a position executes its list in a fixed order and
+only waits on messages, an order that completes in one timing completes in every timing;
+``gems.pipeline.validate`` re-checks that by simulation.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from gems.errors import GemsError
-from gems.pipeline.ir import (BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, REPLICA_NAMES, SEND_ACT,  # noqa: F401
-                              SEND_GRAD, SENDS, RECVS, STEP, SYNC, Action)
+from gems.pipeline import search
+from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, GRADIENT,  # noqa: F401
+                              LETTERS, RECV_ACT, RECV_GRAD, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS, STEP,
+                              SYNC, Action)
+from gems.pipeline.lowering import lower
 
 SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
-_TICKS = {FORWARD: 1, BACKWARD: 2}
 
 
 def check(name: str, K: int, m: int) -> None:
@@ -66,91 +71,26 @@ def holds(name: str, K: int, position: int) -> list[int]:
                    if position_of(name, K, rep, s) == position})
 
 
-def _cap(name: str, K: int, m: int, stage: int) -> int:
-    """Micro-batches of one replica allowed in flight at a stage."""
-    return m if name in ("mp", "gpipe") else min(m, K - stage)
-
-
-def _order(name: str, K: int, m: int) -> list[list[tuple[str, int, int, int]]]:
-    """Greedy list scheduling: per position, the compute tasks (op, replica, micro, stage)
-    in the order they start."""
-    R = replicas(name)
-    backward_first = name != "gpipe" and name != "mp"
-    finish: dict[tuple[str, int, int, int], int] = {}
-    next_fwd = {(r, s): 0 for r in range(R) for s in range(K)}   # next micro to forward
-    next_bwd = {(r, s): 0 for r in range(R) for s in range(K)}   # next micro to backward
-    busy_until = [0] * K
-    order: list[list[tuple[str, int, int, int]]] = [[] for _ in range(K)]
-    mine = [[(r, s) for r in range(R) for s in range(K) if position_of(name, K, r, s) == p]
-            for p in range(K)]
-    total, done, t = 2 * R * K * m, 0, 0
-    while done < total:
-        for p in range(K):
-            if busy_until[p] > t:
-                continue
-            ready = []
-            for r, s in mine[p]:
-                j = next_fwd[(r, s)]
-                if j < m and j - next_bwd[(r, s)] < _cap(name, K, m, s):
-                    dep = (FORWARD, r, j, s - 1)
-                    if s == 0 or finish.get(dep, t + 1) <= t:
-                        ready.append((FORWARD, r, j, s))
-                j = next_bwd[(r, s)]
-                if j < next_fwd[(r, s)]:
-                    dep = (FORWARD, r, j, s) if s == K - 1 else (BACKWARD, r, j, s + 1)
-                    if finish.get(dep, t + 1) <= t:
-                        ready.append((BACKWARD, r, j, s))
-            if not ready:
-                continue
-            ready.sort(key=lambda task: ((task[0] == FORWARD) == backward_first, task[2], task[1]))
-            task = ready[0]
-            op, r, j, s = task
-            (next_fwd if op == FORWARD else next_bwd)[(r, s)] += 1
-            busy_until[p] = finish[task] = t + _TICKS[op]
-            order[p].append(task)
-            done += 1
-        t += 1
-        if t > 10 * total + 10:  # every task takes at most 2 ticks; more means a stuck rule
-            raise RuntimeError(f"schedule {name} K={K} m={m} does not complete")
-    return order
-
-
-def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = ()) -> list[list[Action]]:
+def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (),
+             split: bool = False) -> list[list[Action]]:
     """Per position, the ordered actions of one training step.
 
     ``skips``: edges ``(i, j)``, j > i + 1, on which stage i sends tensors straight to stage j
     (``gems.graph.routes``): the send follows i's forward and the receive precedes j's; the
     gradient goes back after j's backward and is received before i's. Each such message waits
-    only on computations its neighbour messages already wait on, so skips add no deadlock."""
+    only on computations its neighbour messages already wait on, so skips add no deadlock.
+    ``split``: each backward becomes an input-gradient and a later weight-gradient action
+    (``gems.pipeline.ordering``), which the order places into bubbles."""
     check(name, K, m)
-    into = {j: sorted(i for i, k in skips if k == j) for _, j in skips}
-    out_of = {i: sorted(j for k, j in skips if k == i) for i, _ in skips}
     if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
         raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")
-    lists: list[list[Action]] = []
-    for p, tasks in enumerate(_order(name, K, m)):
-        actions: list[Action] = []
-        at = lambda r, s: position_of(name, K, r, s)   # noqa: E731
-        for op, r, j, s in tasks:
-            if op == FORWARD:
-                if s > 0:
-                    actions.append(Action(RECV_ACT, r, j, s, at(r, s - 1)))
-                actions += [Action(RECV_ACT, r, j, s, at(r, i), i) for i in into.get(s, ())]
-                actions.append(Action(FORWARD, r, j, s))
-                if s < K - 1:
-                    actions.append(Action(SEND_ACT, r, j, s, at(r, s + 1)))
-                actions += [Action(SEND_ACT, r, j, s, at(r, k), k) for k in out_of.get(s, ())]
-            else:
-                if s < K - 1:
-                    actions.append(Action(RECV_GRAD, r, j, s, at(r, s + 1)))
-                actions += [Action(RECV_GRAD, r, j, s, at(r, k), k) for k in out_of.get(s, ())]
-                actions.append(Action(BACKWARD, r, j, s))
-                if s > 0:
-                    actions.append(Action(SEND_GRAD, r, j, s, at(r, s - 1)))
-                actions += [Action(SEND_GRAD, r, j, s, at(r, i), i) for i in into.get(s, ())]
-        actions += [Action(SYNC), Action(STEP)]
-        lists.append(actions)
-    return lists
+    found, _ = search.order(name, K, m, split)
+    return lower(found.tasks, search.layout(name, K, m).place, K, skips)
+
+
+def variant(name: str, K: int, m: int = 1, split: bool = False) -> str:
+    """How the schedule search made the order ``schedule`` returns (shown in plans)."""
+    return str(search.order(name, K, m, split)[1])
 
 
 def forward_only(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = ()) -> list[list[Action]]:
@@ -174,7 +114,7 @@ def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
     points, forwarded = {}, set()
     for i, j in zip(compute, compute[1:]):
         after = actions[j]
-        if after.op == BACKWARD and (after.replica, after.micro, after.stage) in forwarded:
+        if after.op in GRADIENT and (after.replica, after.micro, after.stage) in forwarded:
             points[i] = (after.replica, after.micro, after.stage)
         if actions[i].op == FORWARD:
             forwarded.add((actions[i].replica, actions[i].micro, actions[i].stage))
@@ -190,7 +130,8 @@ def moments(actions: list[Action]) -> list[Moment]:
     None (``prefetch_points``)).
 
     A micro-batch is alive on a stage from the start of its forward to the end of its
-    backward (the one computed counts); under ``mast`` both replicas of a shared middle stage
+    backward, or of its weight-gradient when the backward is split (the input-gradient pass keeps
+    what the weight-gradient needs; the one computed counts); under ``mast`` both replicas of a shared middle stage
     count together. A position's memory peaks at one of these moments: the planner prices
     each as what every live micro-batch keeps plus the working memory of the stage computed,
     plus what an offloading stage's prefetch brings back early.
@@ -206,7 +147,7 @@ def moments(actions: list[Action]) -> list[Moment]:
         moment = (a.stage, dict(sorted(live.items())), prefetch[i][2] if i in prefetch else None)
         if moment not in seen:
             seen.append(moment)
-        if a.op == BACKWARD:
+        if a.op in (BACKWARD, BACKWARD_WEIGHT):
             live[a.stage] -= 1
             if not live[a.stage]:
                 del live[a.stage]
@@ -219,32 +160,32 @@ def most_alive(position_moments: list[Moment]) -> dict[int, int]:
     return {s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})}
 
 
-def in_flight(name: str, K: int, m: int = 1) -> list[dict[int, int]]:
+def in_flight(name: str, K: int, m: int = 1, split: bool = False) -> list[dict[int, int]]:
     """Per position, {stage: most micro-batches of that stage alive at once} (``most_alive``).
     The solver multiplies one micro-batch's activation bytes by it: a safe bound, since it
     sums per-stage maxima that may not coincide in time."""
-    return [most_alive(moments(actions)) for actions in schedule(name, K, m)]
+    return [most_alive(moments(actions)) for actions in schedule(name, K, m, split=split)]
 
 
 def waiting_forwards(actions: list[Action]) -> list[Action]:
     """The forwards of one position's list whose activations wait across other compute.
 
     A forward *waits* unless the next compute action after it (forward or backward;
-    messages, sync and step do not count) is the backward of the same replica, micro-batch
-    and stage. Memory policies (``gems.pipeline.stage``) apply in full to waiting forwards only:
+    messages, sync and step do not count) is the backward (or input-gradient) of the same
+    replica, micro-batch and stage. Memory policies (``gems.pipeline.stage``) apply in full to waiting forwards only:
     the activations of the others are needed at once, so storing them cheaply saves nothing.
     """
     compute = [a for a in actions if a.op in COMPUTE]
     return [a for a, after in zip(compute, compute[1:] + [None]) if a.op == FORWARD and not (
-        after is not None and after.op == BACKWARD and (after.replica, after.micro, after.stage)
+        after is not None and after.op in GRADIENT and (after.replica, after.micro, after.stage)
         == (a.replica, a.micro, a.stage))]
 
 
 def describe(lists: list[list[Action]]) -> str:
-    """One line per position with its compute actions, e.g. ``F d0.s0  B d0.s0``."""
+    """One line per position with its compute actions, e.g. ``F d0.s0  B d0.s0`` (split: I, W)."""
     lines = []
     for p, actions in enumerate(lists):
-        steps = [f"{a.op[0].upper()} {REPLICA_NAMES[a.replica]}{a.micro}.s{a.stage}"
+        steps = [f"{LETTERS[a.op]} {REPLICA_NAMES[a.replica]}{a.micro}.s{a.stage}"
                  for a in actions if a.op in COMPUTE]
         lines.append(f"position {p}: " + "  ".join(steps))
     return "\n".join(lines)

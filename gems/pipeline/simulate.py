@@ -3,7 +3,8 @@
 Every position executes ``gems.pipeline.schedule.schedule(name, K, m)[position]`` in order -- the
 lists the engine runs, so there is one source of truth for every schedule:
 
-    forward / backward   take the stage's cost for one micro-batch
+    forward / backward   take the stage's cost for one micro-batch (split: the input-gradient
+                         and the weight-gradient share the backward's, ``Costs.input_share``)
     send_act / send_grad non-blocking; the message leaves when its directed link is free
                          (messages on one link queue behind each other) and arrives
                          latency + bytes / bandwidth after it leaves
@@ -23,7 +24,9 @@ Timing is a max-plus function of the costs, so a faster network or device never 
 Groups are identical, so only groups whose point-to-point links differ (a pipeline split
 across nodes differently) are replayed; they meet in the sync. Pure Python: no torch, no MPI.
 
-``benchmarks/resnet1001_scaling.py`` uses it for a weak-scaling prediction of ResNet-1001.
+``benchmarks/resnet1001_scaling.py`` uses it for a weak-scaling prediction of ResNet-1001;
+``utilization`` times any action lists (other systems' schedules too, ``gems.pipeline.peers``)
+with unit costs for ``gems-sim utilization``.
 """
 from __future__ import annotations
 
@@ -55,6 +58,18 @@ class Costs:
     # per edge (producer, consumer), skip connections included: the message's bytes (replaces
     # boundary_bytes when given; the schedule then carries the skip edges' messages too)
     edge_bytes: dict[tuple[int, int], int] | None = None
+    # a split backward's input-gradient share of ``backward`` per stage (None: half; convolutions'
+    # input and weight gradients each cost about one forward)
+    input_share: list[float] | None = None
+
+    def seconds(self, a: sch.Action) -> float:
+        """Seconds of one compute action of stage ``a.stage``."""
+        if a.op == sch.FORWARD:
+            return self.forward[a.stage]
+        if a.op == sch.BACKWARD:
+            return self.backward[a.stage]
+        share = 0.5 if self.input_share is None else self.input_share[a.stage]
+        return self.backward[a.stage] * (share if a.op == sch.BACKWARD_INPUT else 1.0 - share)
 
     def check(self, K: int) -> None:
         for f in fields(self):
@@ -128,8 +143,9 @@ class Result:
 
 
 def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network(), groups: int = 1,
-             optimizer_time: float = 0.0) -> Result:
-    """Replay schedule (name, K, m) on ``groups`` data-parallel groups (see module docstring)."""
+             optimizer_time: float = 0.0, split: bool = False) -> Result:
+    """Replay schedule (name, K, m) on ``groups`` data-parallel groups (see module docstring);
+    ``split``: with the backward split into input- and weight-gradient actions."""
     sch.check(name, K, m)
     costs.check(K)
     if not isinstance(groups, int) or groups < 1:
@@ -137,17 +153,55 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     if network.allreduce not in ALLREDUCE:
         raise GemsError(f"unknown allreduce {network.allreduce!r}: choose one of {', '.join(ALLREDUCE)}")
     edges = costs.edge_bytes
-    lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1])
+    lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1], split=split)
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network)
     members = {key: len(reps) * len(key) for key in sync_seconds}
-
-    arrival: dict[tuple, float] = {}                       # (group, message) -> arrival time
     link_free: dict[tuple[int, int, int], float] = {}      # (group, from, to) -> link free again
     sync_start: dict[frozenset, dict[tuple[int, int], float]] = {key: {} for key in sync_seconds}
     sync_end: dict[frozenset, float] = {}
-    pc = {(d, p): 0 for d in reps for p in range(K)}
+
+    def send(d: int, p: int, a: sch.Action, t: float) -> float:
+        msg = a.message(p)
+        nbytes = edges[msg.edge] if edges else costs.boundary_bytes[msg.producer]
+        latency, bandwidth = network.link(d * K + p, d * K + a.peer)
+        leave = max(t, link_free.get((d, p, a.peer), 0.0))
+        link_free[(d, p, a.peer)] = leave + nbytes / bandwidth
+        return leave + nbytes / bandwidth + latency
+
+    def sync(d: int, p: int, t: float) -> float | None:
+        key = sync_key[p]
+        started = sync_start[key]
+        started.setdefault((d, p), t)
+        if key not in sync_end and len(started) == members[key]:
+            sync_end[key] = max(started.values()) + sync_seconds[key]
+        return sync_end.get(key)
+
+    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, sync, optimizer_time)
+    static = costs.static_bytes or [0] * K
+    return Result(
+        schedule=name, stages=K, micro_batches=m, groups=groups,
+        step_time=max(clock.values()),
+        busy=[busy[(0, p)] for p in range(K)],
+        peak_activation_bytes=[_peak_activations(actions, costs.activation_bytes) for actions in lists],
+        static_bytes=[sum(static[s] for s in sch.holds(name, K, p)) for p in range(K)],
+        timeline=[timeline[(0, p)] for p in range(K)])
+
+
+Clock = dict[tuple[int, int], float]
+
+
+def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Callable[[sch.Action], float],
+            send: Callable[[int, int, sch.Action, float], float],
+            sync: Callable[[int, int, float], float | None],
+            optimizer_time: float) -> tuple[Clock, Clock, dict[tuple[int, int], list[tuple[float, float, str]]]]:
+    """Run every position of ``groups`` through its list: compute takes ``seconds(action)``,
+    ``send`` gives a message's arrival, a receive waits for it, ``sync`` gives when the sync
+    group is done (None: not every member has arrived yet). Returns per (group, position) the
+    finishing time, the busy seconds and the timeline."""
+    arrival: dict[tuple, float] = {}                       # (group, message) -> arrival time
+    pc = {(d, p): 0 for d in groups for p in range(len(lists))}
     clock = dict.fromkeys(pc, 0.0)
     busy = dict.fromkeys(pc, 0.0)
     timeline: dict[tuple[int, int], list[tuple[float, float, str]]] = {key: [] for key in pc}
@@ -159,35 +213,25 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
             while i < len(actions):
                 a = actions[i]
                 if a.op in sch.COMPUTE:
-                    cost = (costs.forward if a.op == sch.FORWARD else costs.backward)[a.stage]
+                    cost = seconds(a)
                     line.append((t, t + cost, f"{a.op} {sch.REPLICA_NAMES[a.replica]}{a.micro}.s{a.stage}"))
                     t += cost
                     busy[(d, p)] += cost
                 elif a.op in sch.SENDS:
-                    msg = a.message(p)
-                    nbytes = edges[msg.edge] if edges else costs.boundary_bytes[msg.producer]
-                    latency, bandwidth = network.link(d * K + p, d * K + a.peer)
-                    leave = max(t, link_free.get((d, p, a.peer), 0.0))
-                    link_free[(d, p, a.peer)] = leave + nbytes / bandwidth
-                    arrival[(d, msg)] = leave + nbytes / bandwidth + latency
+                    arrival[(d, a.message(p))] = send(d, p, a, t)
                 elif a.op in sch.RECVS:
-                    msg = a.message(p)
-                    if (d, msg) not in arrival:
+                    ready = arrival.get((d, a.message(p)))
+                    if ready is None:
                         break
-                    ready = arrival[(d, msg)]
                     if ready > t:
                         line.append((t, ready, f"wait {a}"))
                         t = ready
                 elif a.op == sch.SYNC:
-                    key = sync_key[p]
-                    started = sync_start[key]
-                    started.setdefault((d, p), t)
-                    if key not in sync_end and len(started) == members[key]:
-                        sync_end[key] = max(started.values()) + sync_seconds[key]
-                    if key not in sync_end:
+                    end = sync(d, p, t)
+                    if end is None:
                         break
-                    line.append((t, sync_end[key], "sync"))
-                    t = sync_end[key]
+                    line.append((t, end, "sync"))
+                    t = end
                 else:   # step
                     line.append((t, t + optimizer_time, "step"))
                     t += optimizer_time
@@ -197,16 +241,21 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
             pc[(d, p)], clock[(d, p)] = i, t
     stuck = [(d, p) for (d, p), i in pc.items() if i < len(lists[p])]
     if stuck:   # only reachable with hand-edited lists
-        raise RuntimeError(f"simulation of {name} K={K} m={m} stopped at {stuck[:3]}")
+        raise RuntimeError(f"the simulation stopped at {stuck[:3]}: the action lists deadlock")
+    return clock, busy, timeline
 
-    static = costs.static_bytes or [0] * K
-    return Result(
-        schedule=name, stages=K, micro_batches=m, groups=groups,
-        step_time=max(clock.values()),
-        busy=[busy[(0, p)] for p in range(K)],
-        peak_activation_bytes=[_peak_activations(actions, costs.activation_bytes) for actions in lists],
-        static_bytes=[sum(static[s] for s in sch.holds(name, K, p)) for p in range(K)],
-        timeline=[timeline[(0, p)] for p in range(K)])
+
+UNIT = {sch.FORWARD: 1.0, sch.BACKWARD: 2.0, sch.BACKWARD_INPUT: 1.0, sch.BACKWARD_WEIGHT: 1.0}
+
+
+def utilization(lists: list[list[sch.Action]], ticks: dict[str, float] = UNIT) -> float:
+    """Compute time summed over positions / (positions x step time) for one step of ``lists``,
+    every stage taking ``ticks[op]`` per micro-batch (forward 1, backward 2, or input-gradient 1 +
+    weight-gradient 1), messages free, sync and optimizer left out."""
+    lists = [[a for a in actions if a.op not in (sch.SYNC, sch.STEP)] for actions in lists]
+    clock, busy, _ = _replay(lists, [0], lambda a: ticks[a.op], lambda d, p, a, t: t, lambda d, p, t: t, 0.0)
+    step = max(clock.values())
+    return sum(busy.values()) / (len(lists) * step) if step > 0 else 1.0
 
 
 def _representatives(K: int, groups: int, network: Network) -> list[int]:
@@ -278,7 +327,7 @@ def simulate_plan(plan, network: Network = Network(), device_flops: float = V100
                   efficiency: float = EFFICIENCY, optimizer_time: float = 0.0) -> Result:
     """``simulate`` for the configuration a Plan was made for (e.g. behind ``gems-plan --simulate``)."""
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs_from_plan(plan, device_flops, efficiency),
-                    network, plan.groups, optimizer_time)
+                    network, plan.groups, optimizer_time, getattr(plan, "split_backward", False))
 
 
 class ScalingPoint(NamedTuple):

@@ -130,6 +130,7 @@ class StageRunner:
     def __init__(self, module: nn.Sequential, first_unit: int, policy: StagePolicy,
                  device: torch.device, pool: HostPool | None = None) -> None:
         self.module, self.policy = module, policy
+        self.params = [p for p in module.parameters() if p.requires_grad]   # the split backward's weights
         # positions of the stage's inputs some unit writes in place (gems.graph marks a traced
         # model's units; a plain nn.Sequential's units declare none)
         meta = getattr(module[0], "meta", {}) if len(module) else {}
@@ -156,6 +157,10 @@ class StageRunner:
         if offload:
             self.offload.keep_on_device(key, xs)
         return xs
+
+    def recomputes(self, waiting: bool) -> bool:
+        """Whether a forward (waiting or not) checkpoints any segment of this stage."""
+        return any(recompute for _, recompute in self._pieces[waiting])
 
     def prefetch(self, key: Key) -> None:
         """Start bringing back what the forward of ``key`` offloaded (the executor calls it as
@@ -188,18 +193,25 @@ def _run(piece: nn.Sequential, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _contexts(piece: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """checkpoint's (forward, recomputation) contexts: the recomputation works on copies of
     the buffers, so running statistics (and ``num_batches_tracked``) are updated once."""
-    return contextlib.nullcontext(), _scratch_buffers(piece)
+    return contextlib.nullcontext(), _ScratchBuffers(piece)
 
 
-@contextlib.contextmanager
-def _scratch_buffers(piece: nn.Module) -> Iterator[None]:
+class _ScratchBuffers:
+    """Buffers swapped for copies while a segment is recomputed. Re-entrant: a split backward
+    (``gems.pipeline.splitgrad``) may recompute a segment in each of its halves."""
+
     # Copies rather than momentum tricks: exact for momentum=None (cumulative averages) and
     # for counters, and the real buffers see no write (so no version bump) at all.
-    real = [(m, name, b) for m in piece.modules() for name, b in m.named_buffers(recurse=False)]
-    for m, name, b in real:
-        setattr(m, name, b.clone())
-    try:
-        yield
-    finally:
-        for m, name, b in real:
+    def __init__(self, piece: nn.Module) -> None:
+        self.piece = piece
+        self.real: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.real = [(m, name, b) for m in self.piece.modules() for name, b in m.named_buffers(recurse=False)]
+        for m, name, b in self.real:
+            setattr(m, name, b.clone())
+
+    def __exit__(self, *exc) -> None:
+        for m, name, b in self.real:
             setattr(m, name, b)
+        self.real = []

@@ -1,14 +1,15 @@
 """Proof that a schedule's action lists are a complete, deadlock-free training step.
 
-``validate`` checks the lists of every generator in the tests, and the schedule search of later
-features will check every candidate with it: completeness (each compute action once, backward
+``validate`` checks the lists of every generator and every schedule the search picks (tests,
+gems-sim): completeness (each compute action once, backward
 after forward, one sync and one step at the end), message matching (every send has exactly one
 receive, on the right peer, by ``Action.message``), and freedom from deadlock under buffered
 sends and blocking receives (an MPI-like transport).
 """
 from __future__ import annotations
 
-from gems.pipeline.ir import BACKWARD, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS, SENDS, STEP, SYNC, Action, replay
+from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS,
+                              SENDS, STEP, SYNC, Action, replay)
 from gems.pipeline.schedule import position_of, replicas
 
 
@@ -16,7 +17,8 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
     """Prove that ``lists`` is a complete, deadlock-free step of schedule (name, K, m).
 
     Complete: every position forwards and backwards each (replica, micro-batch) of each
-    stage it runs exactly once, backward after forward, then syncs and steps once. Every
+    stage it runs exactly once, backward after forward -- or, split, an input-gradient after
+    the forward and a weight-gradient after that -- then syncs and steps once. Every
     send has exactly one matching receive on the right peer, and a stage consumes a
     received tensor only after receiving it. Deadlock-free: executing the lists with
     non-blocking sends and blocking receives finishes. Raises ValueError naming the
@@ -26,8 +28,7 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
         raise ValueError(f"{len(lists)} action lists for K={K}")
     R = replicas(name)
     for p, actions in enumerate(lists):
-        expected = {(op, r, j, s) for r in range(R) for s in range(K)
-                    if position_of(name, K, r, s) == p for j in range(m) for op in COMPUTE}
+        runs = {(r, j, s) for r in range(R) for s in range(K) if position_of(name, K, r, s) == p for j in range(m)}
         seen: list[tuple[str, int, int, int]] = []
         received: set[tuple[str, int, int, int]] = set()
         for a in actions:
@@ -35,20 +36,25 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
                 key = (a.op, a.replica, a.micro, a.stage)
                 if key in seen:
                     raise ValueError(f"position {p}: {a} appears twice")
-                if a.op == BACKWARD and (FORWARD, a.replica, a.micro, a.stage) not in seen:
-                    raise ValueError(f"position {p}: {a} before its forward")
-                needs = (RECV_ACT if a.op == FORWARD else RECV_GRAD)
-                first = a.stage == 0 if a.op == FORWARD else a.stage == K - 1
-                local = not first and position_of(name, K, a.replica,
-                                                   a.stage + (-1 if a.op == FORWARD else 1)) == p
-                if not first and not local and (needs, a.replica, a.micro, a.stage) not in received:
-                    raise ValueError(f"position {p}: {a} runs before its input is received")
+                before = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}.get(a.op)
+                if before and (before, a.replica, a.micro, a.stage) not in seen:
+                    raise ValueError(f"position {p}: {a} before its {before}")
+                if a.op != BACKWARD_WEIGHT:
+                    needs = (RECV_ACT if a.op == FORWARD else RECV_GRAD)
+                    first = a.stage == 0 if a.op == FORWARD else a.stage == K - 1
+                    local = not first and position_of(name, K, a.replica,
+                                                       a.stage + (-1 if a.op == FORWARD else 1)) == p
+                    if not first and not local and (needs, a.replica, a.micro, a.stage) not in received:
+                        raise ValueError(f"position {p}: {a} runs before its input is received")
                 seen.append(key)
             elif a.op in RECVS:
                 received.add((a.op, a.replica, a.micro, a.stage))
+        split = {(r, j, s) for op, r, j, s in seen if op in (BACKWARD_INPUT, BACKWARD_WEIGHT)}
+        expected = {(op, *k) for k in runs for op in
+                    ((FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if k in split else (FORWARD, BACKWARD))}
         if set(seen) != expected:
-            missing = sorted(expected - set(seen))
-            raise ValueError(f"position {p}: missing {missing[:3]}")
+            wrong = sorted(expected ^ set(seen))
+            raise ValueError(f"position {p}: missing or unexpected {wrong[:3]}")
         tail = [a.op for a in actions if a.op in (SYNC, STEP)]
         if tail != [SYNC, STEP] or actions[-1].op != STEP:
             raise ValueError(f"position {p}: must end with one sync then one step, got {tail}")

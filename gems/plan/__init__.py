@@ -165,6 +165,10 @@ class Plan:
     # passes on (gems.graph.stage_routes; stage 0: []). Skip tensors go straight from maker to reader
     # (gems.pipeline.routes). Empty: every stage takes its neighbour's whole output (plain nn.Sequential).
     routes: list[list[list]] = field(default_factory=list)
+    # Each backward split into an input-gradient and a later weight-gradient action
+    # (gems.pipeline.splitgrad), and how the schedule search made the step's order.
+    split_backward: bool = False
+    order: str = ""
 
     def __post_init__(self) -> None:
         if not self.policies:
