@@ -30,7 +30,7 @@ def main(argv: Sequence[str]) -> None:
     print(f"preact-resnet1001, {S}x{S}, schedule mast, K={K}, 1 image per replica (2 per group per step), fp32\n"
           f"device {V100_FLOPS / 1e12:.1f} TFLOP/s x {args.efficiency} efficiency; {net.ranks_per_node} GPUs/node, "
           f"NVLink {net.intra_bandwidth / 1e9:.0f} GB/s, InfiniBand EDR {net.bandwidth / 1e9:.1f} GB/s, "
-          f"{net.allreduce} allreduce after backward (not overlapped)\n"
+          f"{net.allreduce} allreduce per stage, started when its last backward is done (overlapped)\n"
           f"per group: bubble {one.bubble_fraction:.1%}, est. peak memory {format_size(max(one.peak_bytes))}/GPU\n")
     print(f"{'GPUs':>6}  {'groups':>6}  {'step (ms)':>9}  {'images/s':>9}  {'efficiency':>10}")
     for point in scaling("mast", K, 1, costs, net, [2 ** i for i in range(11) if K * 2 ** i <= 1024]):

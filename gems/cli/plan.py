@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=checked(positive), help="K, stages per pipeline (required unless --sweep)")
     p.add_argument("--schedule", default="mast", choices=SCHEDULES)
     p.add_argument("--micro-batches", type=checked(positive), default=1, help="m, per replica per step")
+    p.add_argument("--split-backward", action="store_true",
+                   help="split each backward into input- and weight-gradient actions; weight-gradients fill bubbles")
     p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
     p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
     p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
@@ -193,7 +195,7 @@ def _plan(args: argparse.Namespace) -> None:
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
                    efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
-                   leaf_modules=args.leaf_module, profiles={})   # each micro-batch size profiled once
+                   leaf_modules=args.leaf_module, split_backward=args.split_backward, profiles={})   # each micro-batch size profiled once
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return

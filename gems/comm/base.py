@@ -252,6 +252,8 @@ class Comm:
     preallocates buffers of the right shapes and dtypes, so no metadata travels."""
 
     backend = "base"
+    # whether a collective may run while point-to-point transfers are posted (False: NCCL)
+    overlaps_collectives = True
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
                  device: torch.device, timeout: float, backoff: Backoff) -> None:

@@ -137,6 +137,9 @@ class TorchComm(Comm):
                             "communicator per process")
         world = MPI.COMM_WORLD
         super().__init__(*placement(world, device, allow_shared_gpu), timeout, backoff)
+        # NCCL kernels of the sync groups' communicators and the point-to-point one may wait on
+        # each other when ranks start them in different orders: no reduce overlaps a step there
+        self.overlaps_collectives = self.device.type != "cuda"
         if self.device.type == "cuda":
             backend = "cpu:gloo,cuda:nccl"  # gloo still carries CPU tensors (allgather_object)
         else:

@@ -12,7 +12,7 @@
   Split (``gems.pipeline.splitgrad``): backward_input computes the input gradients and keeps the
   graph, backward_weight the parameters' gradients later (a recomputing forward's whole backward
   runs in backward_input: a second half would recompute its segments again);
-- send / recv: through the ``Messenger``; sync / step: through ``GradSync``.
+- send / recv: through the ``Messenger``; reduce / sync / step: through ``GradSync``.
 
 Every action is timed (``ActionTimer``) for traces and gems-bench.
 """
@@ -62,7 +62,7 @@ class Executor:
                      ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
                      ir.SEND_ACT: lambda a: messenger.send(a, routes.sent(self._edge(a), self._stash[_key(a)][1])),
                      ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop((_key(a), self._edge(a)))),
-                     ir.SYNC: self._sync, ir.STEP: self._step}
+                     ir.REDUCE: lambda a: grads.start(a.stage), ir.SYNC: self._sync, ir.STEP: self._step}
 
     def run(self, images: torch.Tensor | None, labels: torch.Tensor | None) -> None:
         """Run the step's actions on this group's ``images``/``labels``. Raises what an action

@@ -1,10 +1,16 @@
 """Gradient sync of one rank: the flat bucket, BatchNorm statistics, clipping, non-finite skip.
 
-One allreduce of one flat bucket per rank and step, over its sync group (the mirror group under
-``mast``, the same position across groups otherwise; ``Topology.sync_group``). The bucket holds
-every gradient of the stages this rank holds -- ``param.grad`` are views of it, so backward
-accumulates straight into it -- then a copy of their floating buffers (BatchNorm running
-statistics), which the same call averages, so all copies of a stage stay identical. BatchNorm
+One flat bucket per rank, one segment per stage it holds, each summed over the rank's sync group
+(the mirror group under ``mast``, the same position across groups otherwise;
+``Topology.sync_group``) by a non-blocking allreduce that the schedule's ``reduce`` action starts
+as soon as the stage's last backward on this rank is done (``start``), so it overlaps the
+backward of the rank's other stage; ``sync`` waits for them. A segment holds the stage's
+gradients -- ``param.grad`` are views of it, so backward accumulates straight into it -- then a
+copy of its floating buffers (BatchNorm running statistics), which the same call averages, so
+all copies of a stage stay identical. Every member starts its reduces in the schedule's one
+order (``gems.pipeline.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
+in the same order: NCCL kernels of two communicators (a sync group's and the point-to-point one)
+may wait on each other if started in different orders, so they do not overlap there. BatchNorm
 statistics that the mode keeps identical itself stay out of it: under ``batch_norm="deferred"``
 a second, float64 allreduce over the same group adds the step's Σx, Σx² and counts, from which
 every copy then writes the same running statistics (``gems.pipeline.batchnorm``).
@@ -41,31 +47,38 @@ class GradSync:
         self._make_identical()
         self.batch_norms = BatchNorms(stages.values(), batch_norm, device)
         kept = {id(b) for b in self.batch_norms.kept_buffers}
-        params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
-        buffers = [b for s in stages.values() for b in s.buffers()]
-        self._stats_buffers = [b for b in buffers if b.is_floating_point() and id(b) not in kept]
-        self._counters = [b for b in buffers if not b.is_floating_point()]
-        dtypes = {t.dtype for t in params} | {b.dtype for b in self._stats_buffers}
+        params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in sorted(stages.items())}
+        stats = {s: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
+                 for s, m in sorted(stages.items())}
+        self._stats_buffers = [b for bs in stats.values() for b in bs]
+        self._counters = [b for s in stages.values() for b in s.buffers() if not b.is_floating_point()]
+        dtypes = {t.dtype for ps in params.values() for t in ps} | {b.dtype for b in self._stats_buffers}
         if len(dtypes) > 1:
             raise GemsError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}: "
                             "convert the model to one dtype before training")
         dtype = dtypes.pop() if dtypes else torch.float32
-        n_grad = sum(p.numel() for p in params)
-        n_stats = sum(b.numel() for b in self._stats_buffers)
-        self.bucket = torch.zeros(n_grad + n_stats, dtype=dtype, device=device)
-        self.grads, self._stats = self.bucket[:n_grad], self.bucket[n_grad:]
-        self._stats_before = torch.empty_like(self._stats)
-        self._counters_before = [c.clone() for c in self._counters]
+        sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
+        self.bucket = torch.zeros(sum(g + n for g, n in sizes.values()), dtype=dtype, device=device)
+        # per stage: (its segment, its gradients, its statistics' copy, the statistics buffers)
+        self._segments: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
         # for backward, and a view of the bucket would share its version counter with the
         # gradients being accumulated, failing autograd's in-place check.
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         offset = 0
-        for p in params:
-            view = self.bucket[offset:offset + p.numel()].view_as(p)
-            p.grad = view
-            self._views.append((p, view))
-            offset += p.numel()
+        for s, (n_grad, n_stats) in sizes.items():
+            segment = self.bucket[offset:offset + n_grad + n_stats]
+            self._segments[s] = (segment, segment[:n_grad], segment[n_grad:], stats[s])
+            for p in params[s]:
+                view = self.bucket[offset:offset + p.numel()].view_as(p)
+                p.grad = view
+                self._views.append((p, view))
+                offset += p.numel()
+            offset += n_stats
+        self._stats_before = torch.empty(sum(n for _, n in sizes.values()), dtype=dtype, device=device)
+        self._counters_before = [c.clone() for c in self._counters]
+        self._overlap = comm.overlaps_collectives
+        self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
 
@@ -93,7 +106,7 @@ class GradSync:
         views. Its default (set_to_none) would detach ``param.grad`` from the bucket, and the
         allreduce would then sync zeros."""
         def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
-            self.grads.zero_()
+            self._zero_grads()
             for p, view in self._views:
                 p.grad = view
 
@@ -120,16 +133,37 @@ class GradSync:
         for c, before in zip(self._counters, self._counters_before):
             before.copy_(c)
 
-    def sync(self, loss: torch.Tensor) -> float:
-        """Sum gradients and deferred BatchNorm sums and average statistics over the sync group;
-        sum ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
+    def _zero_grads(self) -> None:
+        for _, grads, _, _ in self._segments.values():
+            grads.zero_()
+
+    def start(self, stage: int) -> None:
+        """Start summing ``stage``'s segment over the sync group (its backward is complete here).
+        COLLECTIVE over the sync group, in the schedule's order of reduces."""
         if self.group_comm is not None:
-            if self._stats_buffers:
-                torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats)
-            self.comm.allreduce(self.bucket, self.group_comm, "the gradient allreduce")
-            if self._stats_buffers:
-                self._stats /= self.group_comm.size
-                self._scatter(self._stats)
+            self._reduces.append((stage, self._issue(stage) if self._overlap else None))
+
+    def _issue(self, stage: int):
+        segment, _, copy, buffers = self._segments[stage]
+        if buffers:
+            torch.cat([b.reshape(-1) for b in buffers], out=copy)
+        return self.comm.iallreduce(segment, self.group_comm)
+
+    def sync(self, loss: torch.Tensor) -> float:
+        """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
+        order) and average the statistics; sum deferred BatchNorm sums over the sync group and
+        ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
+        if self.group_comm is not None:
+            reduces, self._reduces = self._reduces, []
+            if sorted(s for s, _ in reduces) != sorted(self._segments):   # the schedule's contract
+                raise RuntimeError(f"reduces of stages {[s for s, _ in reduces]} for {sorted(self._segments)}")
+            reduces = [(s, self._issue(s) if req is None else req) for s, req in reduces]
+            for stage, req in reduces:
+                self.comm.wait(req, f"the gradient allreduce of stage {stage}")
+                _, _, copy, buffers = self._segments[stage]
+                if buffers:
+                    copy /= self.group_comm.size
+                    self._scatter(copy, buffers)
         self.batch_norms.sync(self.comm, self.group_comm)
         self._scalars[0] = loss.reshape(())
         self._scalars[1] = 0.0
@@ -142,9 +176,9 @@ class GradSync:
         return float(self._scalars[0])
 
     @torch.no_grad()
-    def _scatter(self, flat: torch.Tensor) -> None:
+    def _scatter(self, flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
         offset = 0
-        for b in self._stats_buffers:
+        for b in buffers:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
 
@@ -155,7 +189,7 @@ class GradSync:
         zeroed either way. Returns whether the step was applied."""
         applied = bool(torch.isfinite(self._scalars[0]))
         if not applied:
-            self._scatter(self._stats_before)
+            self._scatter(self._stats_before, self._stats_buffers)
             for c, before in zip(self._counters, self._counters_before):
                 c.copy_(before)
         else:
@@ -163,8 +197,9 @@ class GradSync:
                 self.last_grad_norm = math.sqrt(float(self._scalars[1]))
                 scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
                 if scale < 1.0:
-                    self.grads.mul_(scale)
+                    for _, grads, _, _ in self._segments.values():
+                        grads.mul_(scale)
             optimizer.step()
             self.batch_norms.update()
-        self.grads.zero_()
+        self._zero_grads()
         return applied

@@ -20,7 +20,10 @@ Action kinds
 ``recv_act``   receive ``stage``'s input from the position running ``stage - 1`` (or ``other``)
 ``send_grad``  send the gradient of ``stage``'s input to the position running ``stage - 1`` (or ``other``)
 ``recv_grad``  receive the gradient of ``stage``'s output from the position running ``stage + 1`` (or ``other``)
-``sync``       sum gradients over the sync group (and the loss over the world)
+``reduce``     start summing ``stage``'s gradients over the sync group (non-blocking), once the
+               stage's last backward on this position is done; the sync group's members start
+               their reduces in one order (``gems.pipeline.lowering.place_reduces``)
+``sync``       wait for the reduces; sum the loss over the world
 ``step``       the optimizer step
 =============  =======================================================================
 
@@ -61,13 +64,13 @@ FORWARD, BACKWARD = "forward", "backward"
 BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 SEND_ACT, RECV_ACT = "send_act", "recv_act"
 SEND_GRAD, RECV_GRAD = "send_grad", "recv_grad"
-SYNC, STEP = "sync", "step"
+REDUCE, SYNC, STEP = "reduce", "sync", "step"
 COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 GRADIENT = (BACKWARD, BACKWARD_INPUT)   # the backward that makes the stage's input gradient
 LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
 SENDS = (SEND_ACT, SEND_GRAD)
 RECVS = (RECV_ACT, RECV_GRAD)
-OPS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, SYNC, STEP)
+OPS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, REDUCE, SYNC, STEP)
 
 REPLICA_NAMES = ("d", "u")  # down, up
 MESSAGE_KINDS = ("act", "grad")
@@ -138,6 +141,8 @@ class Action:
     def __str__(self) -> str:
         if self.op in (SYNC, STEP):
             return self.op
+        if self.op == REDUCE:
+            return f"reduce s{self.stage}"
         text = f"{self.op} {REPLICA_NAMES[self.replica]}{self.micro}.s{self.stage}"
         if self.other >= 0:
             text += f">s{self.other}" if self.op in (SEND_ACT, RECV_GRAD) else f"<s{self.other}"
@@ -148,6 +153,8 @@ def describe_action(action: Action) -> str:
     """An action in words: "backward of stage 1, replica 0, micro-batch 0"."""
     if action.op in (SYNC, STEP):
         return {SYNC: "the gradient sync", STEP: "the optimizer step"}[action.op]
+    if action.op == REDUCE:
+        return f"the gradient reduce of stage {action.stage}"
     return f"{action.op} of stage {action.stage}, replica {action.replica}, micro-batch {action.micro}"
 
 

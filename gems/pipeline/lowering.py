@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gems.pipeline.ir import (BACKWARD_WEIGHT, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, STEP, SYNC,
-                              Action)
+from gems.pipeline.ir import (BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_ACT, RECV_GRAD, REDUCE, SEND_ACT, SEND_GRAD,
+                              STEP, SYNC, Action)
 
 Task = tuple[str, int, int, int]   # (op, replica, micro, stage)
 
@@ -59,3 +59,44 @@ def lower(orders: Sequence[Sequence[Task]], place: Sequence[Sequence[int]], stag
             actions += [Action(SYNC), Action(STEP)]
         lists.append(actions)
     return lists
+
+
+def place_reduces(lists: list[list[Action]], partners: Sequence[Sequence[int]],
+                  done: dict[tuple[int, int], float]) -> list[list[Action]]:
+    """``lists`` with a ``reduce`` action per stage a position holds, before its ``sync``.
+
+    ``partners[p]``: the positions of p's group that hold the same stages (its sync group within
+    one group: ``{p, K-1-p}`` under mast, ``{p}`` otherwise; the other groups run the same lists).
+    ``done[(p, s)]``: when stage s's last backward (or weight-gradient) on p ends in the schedule's
+    own timing. Collectives on one communicator must start in one order on every member, yet
+    mirror partners finish their stages in mirrored order: the members take the stages in the
+    order of the latest member's finish (ties: lower stage first), and each puts a stage's reduce
+    right after the sends that follow its last backward, but not before the previous reduce."""
+    out = []
+    for p, actions in enumerate(lists):
+        held = sorted({s for q, s in done if q == p})
+        order = sorted(held, key=lambda s: (max(done[(q, s)] for q in partners[p]), s))
+        last = {}
+        for i, a in enumerate(actions):
+            if a.op in (BACKWARD, BACKWARD_WEIGHT):
+                last[a.stage] = i
+        after = {}
+        for s in held:   # skip the sends that follow the backward
+            i = last[s] + 1
+            while i < len(actions) and actions[i].op == SEND_GRAD:
+                i += 1
+            after[s] = i
+        slots, at = [], 0
+        for s in order:
+            at = max(at, after[s])
+            slots.append((at, s))
+        merged: list[Action] = []
+        k = 0
+        for i, a in enumerate(actions):
+            while k < len(slots) and slots[k][0] == i:
+                merged.append(Action(REDUCE, stage=slots[k][1]))
+                k += 1
+            merged.append(a)
+        merged += [Action(REDUCE, stage=s) for _, s in slots[k:]]
+        out.append(merged)
+    return out

@@ -188,13 +188,5 @@ def fill_first(task: Task, state: State) -> tuple:
     return ({FORWARD: 2, BACKWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 0}[op], -j, -r)
 
 
-def deepest_first(task: Task, state: State) -> tuple:
-    """Backward first; among forwards, the replica whose stage lies deeper in its pipeline
-    (its micro-batch has further to go back), so both directions keep moving."""
-    op, r, j, s = task
-    rank = {BACKWARD: 2, BACKWARD_INPUT: 2, FORWARD: 1, BACKWARD_WEIGHT: 0}[op]
-    return (rank, -j, s if op == FORWARD else -s, -r)
-
-
 RULES: dict[str, Rule] = {"backward-first": backward_first, "critical-path": critical_path,
-                          "fill-first": fill_first, "deepest-first": deepest_first}
+                          "fill-first": fill_first}

@@ -35,9 +35,10 @@ from collections.abc import Sequence
 from gems.errors import GemsError
 from gems.pipeline import search
 from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, GRADIENT,  # noqa: F401
-                              LETTERS, RECV_ACT, RECV_GRAD, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS, STEP,
-                              SYNC, Action)
-from gems.pipeline.lowering import lower
+                              LETTERS, RECV_ACT, RECV_GRAD, REDUCE, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS,
+                              STEP, SYNC, Action)
+from gems.pipeline.lowering import lower, place_reduces
+from gems.pipeline.ordering import TICKS
 
 SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
 
@@ -80,12 +81,20 @@ def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (
     gradient goes back after j's backward and is received before i's. Each such message waits
     only on computations its neighbour messages already wait on, so skips add no deadlock.
     ``split``: each backward becomes an input-gradient and a later weight-gradient action
-    (``gems.pipeline.ordering``), which the order places into bubbles."""
+    (``gems.pipeline.ordering``), which the order places into bubbles. Each stage's gradients
+    start their reduce as soon as its last backward is done (``lowering.place_reduces``)."""
     check(name, K, m)
     if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
         raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")
     found, _ = search.order(name, K, m, split)
-    return lower(found.tasks, search.layout(name, K, m).place, K, skips)
+    lists = lower(found.tasks, search.layout(name, K, m).place, K, skips)
+    done: dict[tuple[int, int], float] = {}
+    for p, tasks in enumerate(found.tasks):
+        for task in tasks:
+            if task[0] in (BACKWARD, BACKWARD_WEIGHT):
+                done[(p, task[3])] = max(done.get((p, task[3]), 0), found.start[task] + TICKS[task[0]])
+    partners = [sorted({p, K - 1 - p}) if replicas(name) == 2 else [p] for p in range(K)]
+    return place_reduces(lists, partners, done)
 
 
 def variant(name: str, K: int, m: int = 1, split: bool = False) -> str:

@@ -9,9 +9,12 @@ lists the engine runs, so there is one source of truth for every schedule:
                          (messages on one link queue behind each other) and arrives
                          latency + bytes / bandwidth after it leaves
     recv_act / recv_grad block until the message has arrived
-    sync                 allreduce of the position's gradients (param bytes of the stages it
-                         holds) over its sync group (``Topology.sync_group``); all ranks of the
-                         group finish together at max(start) + allreduce time
+    reduce               starts the allreduce of one stage's gradients (its param bytes) over
+                         the position's sync group (``Topology.sync_group``), without waiting:
+                         it runs once every member has started it and the group's previous
+                         reduce is done, while the members compute on
+    sync                 waits for the position's reduces; all ranks of the group finish
+                         together, when the last of them is done
     step                 ``optimizer_time``
 
 K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble, step 2(f+b)::
@@ -158,9 +161,12 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network)
     members = {key: len(reps) * len(key) for key in sync_seconds}
+    issued: dict[tuple[frozenset, int], list[float]] = {}   # (sync key, stage) -> members' reduce starts
     link_free: dict[tuple[int, int, int], float] = {}      # (group, from, to) -> link free again
-    sync_start: dict[frozenset, dict[tuple[int, int], float]] = {key: {} for key in sync_seconds}
     sync_end: dict[frozenset, float] = {}
+
+    def reduce(d: int, p: int, a: sch.Action, t: float) -> None:
+        issued.setdefault((sync_key[p], a.stage), []).append(t)
 
     def send(d: int, p: int, a: sch.Action, t: float) -> float:
         msg = a.message(p)
@@ -172,13 +178,15 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
 
     def sync(d: int, p: int, t: float) -> float | None:
         key = sync_key[p]
-        started = sync_start[key]
-        started.setdefault((d, p), t)
-        if key not in sync_end and len(started) == members[key]:
-            sync_end[key] = max(started.values()) + sync_seconds[key]
-        return sync_end.get(key)
+        order = [a.stage for a in lists[p] if a.op == sch.REDUCE]
+        if key not in sync_end and all(len(issued.get((key, s), ())) == members[key] for s in order):
+            end = 0.0   # the key's reduces run one after another, each once every member started it
+            for s in order:
+                end = max(end, *issued[(key, s)]) + sync_seconds[key][s]
+            sync_end[key] = end
+        return None if key not in sync_end else max(t, sync_end[key])
 
-    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, sync, optimizer_time)
+    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, optimizer_time)
     static = costs.static_bytes or [0] * K
     return Result(
         schedule=name, stages=K, micro_batches=m, groups=groups,
@@ -194,11 +202,13 @@ Clock = dict[tuple[int, int], float]
 
 def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Callable[[sch.Action], float],
             send: Callable[[int, int, sch.Action, float], float],
+            reduce: Callable[[int, int, sch.Action, float], None],
             sync: Callable[[int, int, float], float | None],
             optimizer_time: float) -> tuple[Clock, Clock, dict[tuple[int, int], list[tuple[float, float, str]]]]:
     """Run every position of ``groups`` through its list: compute takes ``seconds(action)``,
-    ``send`` gives a message's arrival, a receive waits for it, ``sync`` gives when the sync
-    group is done (None: not every member has arrived yet). Returns per (group, position) the
+    ``send`` gives a message's arrival, a receive waits for it, ``reduce`` notes a stage's
+    reduce starting, ``sync`` gives when the sync group is done (None: not every member has
+    arrived yet). Returns per (group, position) the
     finishing time, the busy seconds and the timeline."""
     arrival: dict[tuple, float] = {}                       # (group, message) -> arrival time
     pc = {(d, p): 0 for d in groups for p in range(len(lists))}
@@ -226,6 +236,8 @@ def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Calla
                     if ready > t:
                         line.append((t, ready, f"wait {a}"))
                         t = ready
+                elif a.op == sch.REDUCE:
+                    reduce(d, p, a, t)
                 elif a.op == sch.SYNC:
                     end = sync(d, p, t)
                     if end is None:
@@ -253,7 +265,8 @@ def utilization(lists: list[list[sch.Action]], ticks: dict[str, float] = UNIT) -
     every stage taking ``ticks[op]`` per micro-batch (forward 1, backward 2, or input-gradient 1 +
     weight-gradient 1), messages free, sync and optimizer left out."""
     lists = [[a for a in actions if a.op not in (sch.SYNC, sch.STEP)] for actions in lists]
-    clock, busy, _ = _replay(lists, [0], lambda a: ticks[a.op], lambda d, p, a, t: t, lambda d, p, t: t, 0.0)
+    clock, busy, _ = _replay(lists, [0], lambda a: ticks[a.op], lambda d, p, a, t: t, lambda d, p, a, t: None,
+                             lambda d, p, t: t, 0.0)
     step = max(clock.values())
     return sum(busy.values()) / (len(lists) * step) if step > 0 else 1.0
 
@@ -269,8 +282,10 @@ def _representatives(K: int, groups: int, network: Network) -> list[int]:
     return sorted(layouts.values())
 
 
-def _sync_costs(topo: Topology, costs: Costs, network: Network) -> tuple[dict[int, frozenset], dict[frozenset, float]]:
-    """Per position, the positions of group 0 it syncs with (its key); per key, allreduce seconds."""
+def _sync_costs(topo: Topology, costs: Costs,
+                network: Network) -> tuple[dict[int, frozenset], dict[frozenset, dict[int, float]]]:
+    """Per position, the positions of group 0 it syncs with (its key); per key, the allreduce
+    seconds of each stage it holds."""
     K, rpn = topo.stages, network.ranks_per_node
     params = costs.param_bytes or [0] * K
     ranks = {frozenset(r for r in topo.sync_group(p) if r < K): topo.sync_group(p) for p in range(K)}
@@ -284,8 +299,9 @@ def _sync_costs(topo: Topology, costs: Costs, network: Network) -> tuple[dict[in
     seconds = {}
     for key, g in ranks.items():
         latency, bandwidth = network.link(g[0], g[-1])
-        nbytes = sum(params[s] for s in topo.holds(g[0]))
-        seconds[key] = network.allreduce_time(nbytes, len(g), latency, bandwidth / (share if key in crossing else 1))
+        seconds[key] = {s: network.allreduce_time(params[s], len(g), latency,
+                                                  bandwidth / (share if key in crossing else 1))
+                        for s in topo.holds(g[0])}
     return key_of, seconds
 
 

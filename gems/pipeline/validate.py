@@ -9,7 +9,7 @@ sends and blocking receives (an MPI-like transport).
 from __future__ import annotations
 
 from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS,
-                              SENDS, STEP, SYNC, Action, replay)
+                              REDUCE, SENDS, STEP, SYNC, Action, replay)
 from gems.pipeline.schedule import position_of, replicas
 
 
@@ -58,8 +58,30 @@ def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:
         tail = [a.op for a in actions if a.op in (SYNC, STEP)]
         if tail != [SYNC, STEP] or actions[-1].op != STEP:
             raise ValueError(f"position {p}: must end with one sync then one step, got {tail}")
+        _check_reduces(p, actions, sorted({s for _, _, s in runs}))
+    for p in range(K):
+        partner = position_of(name, K, R - 1, position_of(name, K, 0, p))   # holds the same stages
+        if _reduces(lists[p]) != _reduces(lists[partner]):
+            raise ValueError(f"positions {p} and {partner} start their reduces in different orders: "
+                             f"{_reduces(lists[p])} and {_reduces(lists[partner])}")
     _check_messages(lists)
     replay(lists)
+
+
+def _reduces(actions: list[Action]) -> list[int]:
+    return [a.stage for a in actions if a.op == REDUCE]
+
+
+def _check_reduces(p: int, actions: list[Action], held: list[int]) -> None:
+    """One reduce per stage held, after the stage's last backward, before the sync."""
+    if sorted(_reduces(actions)) != held:
+        raise ValueError(f"position {p}: reduces {_reduces(actions)} for the stages {held} it holds")
+    sync = next(i for i, a in enumerate(actions) if a.op == SYNC)
+    for i, a in enumerate(actions):
+        if a.op == REDUCE:
+            late = [b for b in actions[i:] if b.op in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) and b.stage == a.stage]
+            if late or i > sync:
+                raise ValueError(f"position {p}: {a} before {late[0] if late else 'the sync'}")
 
 
 def _check_messages(lists: list[list[Action]]) -> None:

@@ -18,7 +18,8 @@ def table(plan) -> str:
         f"({plan.micro_batch_size} per micro-batch), {plan.groups} group(s), {plan.dtype}"
         + (f" ({plan.amp} autocast)" if plan.amp != "none" else "") + f", {plan.optimizer}",
         f"schedule {plan.schedule}, {plan.stages} stages, {plan.micro_batches} micro-batch(es) per replica, "
-        f"balanced by {plan.balance_by}",
+        f"balanced by {plan.balance_by}"
+        + (f"; order: {plan.order}" if plan.order else "") + ("; split backward" if plan.split_backward else ""),
         "",
         _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
               + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],

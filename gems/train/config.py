@@ -85,6 +85,8 @@ class TrainConfig:
     stages: int = opt(2, "K, stages per pipeline; data-parallel groups D = ranks / K")
     schedule: str = opt("mast", "pipeline schedule", choices=("mp", "gpipe", "1f1b", "mast"))
     micro_batches: int = opt(1, "micro-batches per replica per step")
+    split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions, the "
+                                      "weight-gradients filling pipeline bubbles (zero-bubble style)")
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")

@@ -69,7 +69,8 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
-                          split_points=cfg.split_points.split(",") if cfg.split_points else None)
+                          split_points=cfg.split_points.split(",") if cfg.split_points else None,
+                          split_backward=cfg.split_backward)
 
 
 def _names(names: list[str]) -> str:

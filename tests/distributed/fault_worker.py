@@ -136,16 +136,16 @@ def install(fault: Fault) -> None:
 
     Messenger.send, GradSync.apply = send, apply
 
-    real_allreduce = Comm.allreduce
+    real_issue = GradSync._issue
 
-    def allreduce(self, tensor, group, what):  # die with this rank's part of the allreduce started
-        if what == "the gradient allreduce" and fault.hit("allreduce", self.rank):
-            req = self.iallreduce(tensor, group)
-            self.test(req)
-            fault.die(self.rank, what)
-        real_allreduce(self, tensor, group, what)
+    def issue(self, stage):  # die with this rank's part of a stage's gradient allreduce started
+        req = real_issue(self, stage)
+        if fault.hit("allreduce", self.comm.rank):
+            self.comm.test(req)
+            fault.die(self.comm.rank, f"the gradient allreduce of stage {stage}")
+        return req
 
-    Comm.allreduce = allreduce
+    GradSync._issue = issue
 
     real_fail = Comm.fail
 
