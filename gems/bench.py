@@ -22,6 +22,11 @@ once, and reports medians over the measured steps:
                   measured by ping-pong between ranks 0 and 1, and the measured optimizer
                   time: predicted step time and its error against the measured one.
 
+Targets and loss follow the model's output, read from the plan's shapes (a fake forward, nothing
+run at full size): C logits per image get class labels, C x H x W (any spatial dims) get
+per-pixel class masks of the output's size -- a segmentation model; either way the loss is
+gems-train's cross-entropy for that task (``gems.train.losses``), the reference's too.
+
 Micro-batches: ``mp`` always runs one; by default the others use micro-batches of one image
 per group and replica (batch 2 on 2 ranks: gpipe/1f1b m = 2, mast m = 1 per replica), so
 every schedule except mp handles the same micro-batch size.
@@ -45,7 +50,9 @@ from gems.errors import GemsError
 from gems.obs import memory, trace
 from gems.pipeline import schedule as sch
 from gems.pipeline import simulate
+from gems.pipeline.loss import SumLoss, batch_mean
 from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, model_kwargs, opt
+from gems.train.losses import make_loss
 from gems.units import format_size
 
 
@@ -62,7 +69,7 @@ class BenchConfig:
                                           "default: micro-batches of one image")
     stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group)")
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
-    num_classes: int = opt(10, "classes of the classifier head")
+    num_classes: int = opt(10, "classes the model outputs (per image, or per pixel for a segmentation model)")
     lr: float = opt(0.01, "SGD learning rate (momentum 0.9), the same for every run")
     seed: int = opt(0, "seed of the model and the synthetic batch")
     reference: bool = opt(True, "time the unpartitioned single-rank reference on rank 0")
@@ -119,11 +126,30 @@ def micro_batches_for(cfg: BenchConfig, name: str, groups: int) -> int:
     return cfg.batch_size // parts
 
 
-def synthetic_batch(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch of random images and labels, identical on every rank (same seed)."""
+@dataclass(frozen=True)
+class Task:
+    """What the model's output asks of the data and the loss."""
+    name: str                      # "classification" or "segmentation" (gems.train.losses' tasks)
+    classes: int                   # output channels: targets are class indices below it
+    target_shape: tuple[int, ...]  # per image: () for a label, the output's spatial dims for a mask
+
+
+def task_of(output_shapes: list, model: str) -> Task:
+    """The task of a model whose output is ``output_shapes`` (per image, a plan's
+    ``stage_output_shapes[-1]``): C logits -> classification, C x H x W... -> segmentation."""
+    if len(output_shapes) != 1 or len(output_shapes[0]) < 1:
+        got = " and ".join("x".join(map(str, s)) or "a scalar" for s in output_shapes)
+        raise GemsError(f"gems-bench trains on class logits per image (N x C) or per pixel (N x C x H x W), but "
+                        f"{model} returns {got} per image: give it a model with one such output")
+    channels, *spatial = (int(d) for d in output_shapes[0])
+    return Task("segmentation" if spatial else "classification", channels, tuple(spatial))
+
+
+def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of random images and targets (labels or masks), identical on every rank (same seed)."""
     g = torch.Generator().manual_seed(cfg.seed)
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=g)
-    return images, torch.randint(0, cfg.num_classes, (cfg.batch_size,), generator=g)
+    return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
 
 
 def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
@@ -152,17 +178,17 @@ def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
     return simulate.Network(latency=latency, bandwidth=bandwidth)
 
 
-def reference(model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor, cfg: BenchConfig,
+def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
               device: torch.device) -> dict:
-    """Plain PyTorch on one rank: forward, backward and SGD of the whole model on the batch."""
+    """Plain PyTorch on one rank: forward, backward (the engine's loss, the batch's mean) and SGD
+    of the whole model on the batch."""
     model = copy.deepcopy(model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
     x, y = images.to(device), labels.to(device)
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
+        batch_mean(loss_fn, model(x), y).backward()
         optimizer.step()
 
     times = []
@@ -217,7 +243,7 @@ def _stage_medians(ranks: list[trace.RankTimeline], op: str, K: int) -> list[flo
     return [statistics.median(v) if v else 0.0 for v in found.values()]
 
 
-def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: torch.Tensor,
+def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss,
                  cfg: BenchConfig, comm, K: int, network: simulate.Network) -> ScheduleResult:
     """COLLECTIVE: train ``name`` for warmup + steps steps; every rank returns the result."""
     from gems.pipeline.engine import Engine  # noqa: PLC0415
@@ -227,7 +253,7 @@ def run_schedule(name: str, model: nn.Sequential, images: torch.Tensor, labels: 
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
-                    loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout)
+                    loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)
     mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
     comm.barrier()
@@ -286,17 +312,19 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     device = comm.device   # placed by gems.comm (CUDA_VISIBLE_DEVICES and per-task GPUs respected)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=cfg.num_classes, **model_kwargs(cfg.model_arg))
-    images, labels = synthetic_batch(cfg)
-    boundary = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, "mp",
-                              balance_by=cfg.balance_by).stage_estimates[0].output_bytes
-    network = measure_network(comm, boundary)
+    first = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, "mp",
+                           balance_by=cfg.balance_by, model_name=cfg.model)
+    task = task_of(first.stage_output_shapes[-1], cfg.model)
+    loss_fn = make_loss(task.name, "cross-entropy", task.classes)
+    images, labels = synthetic_batch(cfg, task)
+    network = measure_network(comm, first.stage_estimates[0].output_bytes)
     ref = None
     if cfg.reference:
         comm.barrier()
         if comm.rank == 0:
-            ref = reference(model, images, labels, cfg, device)
+            ref = reference(model, images, labels, loss_fn, cfg, device)
         comm.barrier()   # polls with back-off: the waiting ranks leave rank 0's core alone
-    results = [run_schedule(name, model, images, labels, cfg, comm, K, network) for name in names]
+    results = [run_schedule(name, model, images, labels, loss_fn, cfg, comm, K, network) for name in names]
     if comm.rank != 0:
         return None
     mp = next((r for r in results if r.schedule == "mp"), None)
@@ -304,7 +332,8 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         r.ratio_to_mp = r.images_per_s / mp.images_per_s if mp else None
         r.efficiency = r.images_per_s / (comm.size * ref["images_per_s"]) if ref else None
     report = {
-        "config": asdict(cfg), "world": comm.size, "load_average": load, "stages": K, "groups": comm.size // K,
+        "config": asdict(cfg), "task": asdict(task), "world": comm.size, "load_average": load, "stages": K,
+        "groups": comm.size // K,
         "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
         "network": {"latency": network.latency, "bandwidth": network.bandwidth},
         "reference": ref,
@@ -323,8 +352,10 @@ def table(report: dict) -> str:
     """The human-readable report: throughput, simulator and memory tables."""
     cfg, ref = report["config"], report["reference"]
     K, D, W = report["stages"], report["groups"], report["world"]
-    net = report["network"]
+    net, task = report["network"], report["task"]
+    targets = "per-pixel masks" if task["name"] == "segmentation" else "labels"
     lines = [f"gems-bench: {cfg['model']} {cfg['image_size']}x{cfg['image_size']}, batch {cfg['batch_size']}, "
+             f"{task['name']} ({task['classes']} classes, synthetic {targets}, cross-entropy), "
              f"K={K}, D={D}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
              f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
              + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]

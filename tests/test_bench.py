@@ -1,5 +1,7 @@
-"""gems-bench: per-schedule micro-batch choice, input checks, and a 2-rank run on a tiny model
-that prints every schedule and writes well-formed JSON and traces (no timing assertions)."""
+"""gems-bench: per-schedule micro-batch choice, input checks, targets and loss from the model's
+output (labels or per-pixel masks), a 2-rank run on a tiny model that prints every schedule and
+writes well-formed JSON and traces, and an in-process run of a segmentation model (no timing
+assertions)."""
 from __future__ import annotations
 
 import json
@@ -10,13 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, run_mpi
-from gems.bench import BenchConfig, micro_batches_for
+from gems import bench
+from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
+from gems.comm import loopback
 from gems.errors import GemsError
 
 BENCH = Path(sys.executable).parent / "gems-bench"
 TINY = "tests/assets/tiny_model.py:tiny"
+SEGMENTER = "tests/assets/tiny_model.py:tiny_segmenter"
 
 
 def test_default_micro_batches_hold_one_image():
@@ -79,3 +85,24 @@ def test_bad_flag_value_is_one_line_and_exit_2():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("gems-bench: error: --schedules")
+
+
+def test_targets_follow_the_output_shape():
+    assert task_of([(10,)], "m") == Task("classification", 10, ())
+    assert task_of([(3, 64, 48)], "m") == Task("segmentation", 3, (64, 48))
+    images, masks = synthetic_batch(BenchConfig(image_size=8, batch_size=2), Task("segmentation", 3, (4, 4)))
+    assert images.shape == (2, 3, 8, 8) and masks.shape == (2, 4, 4) and masks.dtype == torch.int64
+    assert 0 <= int(masks.min()) and int(masks.max()) < 3
+    for shapes in ([(3, 8, 8), (5,)], [()]):
+        with pytest.raises(GemsError, match="one such output"):
+            task_of(shapes, "m")
+
+
+def test_segmentation_model_trains_on_masks_in_process():
+    cfg = BenchConfig(model=SEGMENTER, image_size=16, batch_size=2, schedules="mast", steps=1, warmup=0,
+                      num_classes=3)
+    report = loopback.run(1, lambda comm: bench.run(cfg, comm))[0]
+    assert report["task"] == {"name": "segmentation", "classes": 3, "target_shape": (16, 16)}
+    result, ref = report["schedules"]["mast"], report["reference"]
+    assert math.isfinite(result["step_time"]) and result["peak_memory"][0] > 0 and ref["peak_memory"] > 0
+    assert "segmentation (3 classes, synthetic per-pixel masks, cross-entropy)" in bench.table(report)

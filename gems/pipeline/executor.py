@@ -24,7 +24,7 @@ import torch
 from gems.pipeline import ir
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.gradsync import GradSync
-from gems.pipeline.loss import SumLoss
+from gems.pipeline.loss import SumLoss, scaled
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.schedule import prefetch_points
@@ -112,7 +112,7 @@ class Executor:
         if a.stage == self.last_stage:
             labels = self._labels[rows].to(self.device, non_blocking=True)
             terms = self.loss_fn(unpack(out), labels)
-            loss = (terms.reshape(-1) * self.inverse.to(terms.dtype)).sum()
+            loss = scaled(terms, self.inverse)
             self.loss += loss.detach()
             out = (loss,)
         self._stash[key] = (received, out)

@@ -71,6 +71,18 @@ def reciprocal(normalisers: torch.Tensor) -> torch.Tensor:
     return torch.where(normalisers > 0, 1.0 / safe, torch.zeros_like(normalisers))
 
 
+def scaled(terms: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss from its sums and the global ``inverse`` normalisers (``reciprocal``):
+    sum_j total_j / N_j, differentiable, in the sums' dtype."""
+    return (terms.reshape(-1) * inverse.to(terms.dtype)).sum()
+
+
+def batch_mean(loss: SumLoss, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One process's loss on a whole batch (its own normalisers), differentiable: what a training
+    step computes over all its micro-batches and ranks, for a single-process reference."""
+    return scaled(torch.as_tensor(loss(output, target)), reciprocal(loss.normaliser(target)).to(output.device))
+
+
 def sums(loss: SumLoss, output, target: torch.Tensor) -> torch.Tensor:
     """``[totals | normalisers]`` of one micro-batch, float64 on the CPU: what an evaluation adds up
     over batches and ranks before dividing (``mean``)."""
