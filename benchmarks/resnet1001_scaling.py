@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from gems import models
 from gems.partition import plan
-from gems.pipeline.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, costs_from_plan, scaling, simulate
+from gems.pipeline.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, costs_from_plan, simulate
+from gems.pipeline.sweep import scaling
 from gems.units import format_size
 
 

@@ -53,7 +53,6 @@ from gems.pipeline import simulate
 from gems.pipeline.loss import SumLoss, batch_mean
 from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, model_kwargs, opt
 from gems.train.losses import make_loss
-from gems.units import format_size
 
 
 @dataclass
@@ -68,6 +67,7 @@ class BenchConfig:
     micro_batches: int | None = opt(None, "micro-batches per replica for gpipe/1f1b/mast (mp always 1); "
                                           "default: micro-batches of one image")
     stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group)")
+    split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions")
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
     num_classes: int = opt(10, "classes the model outputs (per image, or per pixel for a segmentation model)")
     lr: float = opt(0.01, "SGD learning rate (momentum 0.9), the same for every run")
@@ -251,7 +251,8 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     groups = comm.size // K
     m = micro_batches_for(cfg, name, groups)
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
-                          balance_by=cfg.balance_by, groups=groups, model_name=cfg.model)
+                          balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
+                          split_backward=cfg.split_backward)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)
@@ -287,12 +288,18 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         bubbles.append(1.0 - busy / (comm.size * wall))
     forward = _stage_medians(ranks, sch.FORWARD, K)
     backward = _stage_medians(ranks, sch.BACKWARD, K)
+    share = None
+    if cfg.split_backward:   # the halves' medians, and the input half's share of their sum
+        halves = _stage_medians(ranks, sch.BACKWARD_INPUT, K), _stage_medians(ranks, sch.BACKWARD_WEIGHT, K)
+        backward = [i + w for i, w in zip(*halves)]
+        share = [i / b if b > 0 else 0.5 for i, b in zip(halves[0], backward)]
     optimizer = max(statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
                     for r in ranks)
     stages = plan.stage_estimates
     costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
-                           param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan))
-    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer).step_time
+                           param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan),
+                           input_share=share)
+    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer, cfg.split_backward).step_time
     step = statistics.median(step_times)
     return ScheduleResult(
         schedule=name, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),
@@ -342,59 +349,3 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def table(report: dict) -> str:
-    """The human-readable report: throughput, simulator and memory tables."""
-    cfg, ref = report["config"], report["reference"]
-    K, D, W = report["stages"], report["groups"], report["world"]
-    net, task = report["network"], report["task"]
-    targets = "per-pixel masks" if task["name"] == "segmentation" else "labels"
-    lines = [f"gems-bench: {cfg['model']} {cfg['image_size']}x{cfg['image_size']}, batch {cfg['batch_size']}, "
-             f"{task['name']} ({task['classes']} classes, synthetic {targets}, cross-entropy), "
-             f"K={K}, D={D}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
-             f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
-             + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
-    if ref:
-        lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
-                     f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
-                     f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
-    rows = [["schedule", "m", "images/mb", "cuts", "step ms", "images/s", "vs mp", "efficiency", "bubble"]]
-    for r in report["schedules"].values():
-        rows.append([r["schedule"], str(r["micro_batches"]), str(r["micro_batch_size"]),
-                     ",".join(map(str, r["cuts"])), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
-                     "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
-                     "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
-    lines += ["", *_grid(rows)]
-    lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
-                  f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s"]
-    rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms", "predicted ms", "measured ms",
-             "error"]]
-    for r in report["schedules"].values():
-        rows.append([r["schedule"], "/".join(map(_ms, r["stage_forward"])), "/".join(map(_ms, r["stage_backward"])),
-                     _ms(r["optimizer_time"]), _ms(r["predicted_step_time"]), _ms(r["step_time"]),
-                     f"{r['simulator_error']:+.1%}"])
-    lines += _grid(rows)
-    lines += ["", f"peak memory per rank over one more step, measured ({report['memory_kind']}) / plan estimate "
-                  "(the estimate's error)"]
-    rows = [["schedule", *(f"rank {i}" for i in range(W))]]
-    for r in report["schedules"].values():
-        rows.append([r["schedule"], *(_memory_cell(a, b) for a, b in zip(r["peak_memory"], r["plan_memory"]))])
-    if ref:
-        rows.append(["reference", _memory_cell(ref["peak_memory"], ref["plan_memory"]), *(["-"] * (W - 1))])
-    lines += _grid(rows)
-    return "\n".join(lines)
-
-
-def _memory_cell(measured: int, estimated: int) -> str:
-    return f"{format_size(measured)} / {format_size(estimated)} ({memory.estimate_error(measured, estimated)})"
-
-
-def _grid(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-            for row in rows]

@@ -16,6 +16,7 @@ import torch
 
 from conftest import REPO, run_mpi
 from gems import bench
+from gems.obs import bench_report
 from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
 from gems.comm import loopback
 from gems.errors import GemsError
@@ -105,4 +106,4 @@ def test_segmentation_model_trains_on_masks_in_process():
     assert report["task"] == {"name": "segmentation", "classes": 3, "target_shape": (16, 16)}
     result, ref = report["schedules"]["mast"], report["reference"]
     assert math.isfinite(result["step_time"]) and result["peak_memory"][0] > 0 and ref["peak_memory"] > 0
-    assert "segmentation (3 classes, synthetic per-pixel masks, cross-entropy)" in bench.table(report)
+    assert "segmentation (3 classes, synthetic per-pixel masks, cross-entropy)" in bench_report.table(report)

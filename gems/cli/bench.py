@@ -28,6 +28,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     from gems import bench  # noqa: PLC0415
+    from gems.obs import bench_report  # noqa: PLC0415
     from gems import comm as comm_lib  # noqa: PLC0415 - MPI starts only for a real run
     from gems.train import handshake  # noqa: PLC0415
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     with comm.guard():
         report = bench.run(cfg, comm)
         if report is not None:
-            print(bench.table(report), flush=True)
+            print(bench_report.table(report), flush=True)
             if cfg.json:
                 print(f"gems-bench: results written to {cfg.json}", flush=True)
 

@@ -246,7 +246,8 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
     """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (``options`` shares the profiles
     of each micro-batch size), simulated, filtered by the memory budget, fastest first."""
     from gems.partition import plan
-    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan, sweep
+    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan
+    from gems.pipeline.sweep import sweep
 
     world, plans, over = args.sweep, {}, []
     rate = args.device_tflops * 1e12

@@ -1,0 +1,64 @@
+"""gems-bench's report as text: throughput per schedule, the simulator's check, memory per rank.
+
+Reads the report dict ``gems.bench.run`` returns (and writes as JSON), nothing else."""
+from __future__ import annotations
+
+from gems.obs import memory
+from gems.units import format_size
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def table(report: dict) -> str:
+    """The human-readable report: throughput, simulator and memory tables."""
+    cfg, ref = report["config"], report["reference"]
+    K, D, W = report["stages"], report["groups"], report["world"]
+    net, task = report["network"], report["task"]
+    targets = "per-pixel masks" if task["name"] == "segmentation" else "labels"
+    lines = [f"gems-bench: {cfg['model']} {cfg['image_size']}x{cfg['image_size']}, batch {cfg['batch_size']}, "
+             f"{task['name']} ({task['classes']} classes, synthetic {targets}, cross-entropy), "
+             f"K={K}, D={D}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
+             f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
+             + ("; backward split" if cfg.get("split_backward") else "")
+             + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
+    if ref:
+        lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
+                     f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
+                     f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
+    rows = [["schedule", "m", "images/mb", "cuts", "step ms", "images/s", "vs mp", "efficiency", "bubble"]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], str(r["micro_batches"]), str(r["micro_batch_size"]),
+                     ",".join(map(str, r["cuts"])), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
+                     "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
+                     "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
+    lines += ["", *_grid(rows)]
+    lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
+                  f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s"]
+    rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms", "predicted ms", "measured ms",
+             "error"]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], "/".join(map(_ms, r["stage_forward"])), "/".join(map(_ms, r["stage_backward"])),
+                     _ms(r["optimizer_time"]), _ms(r["predicted_step_time"]), _ms(r["step_time"]),
+                     f"{r['simulator_error']:+.1%}"])
+    lines += _grid(rows)
+    lines += ["", f"peak memory per rank over one more step, measured ({report['memory_kind']}) / plan estimate "
+                  "(the estimate's error)"]
+    rows = [["schedule", *(f"rank {i}" for i in range(W))]]
+    for r in report["schedules"].values():
+        rows.append([r["schedule"], *(_memory_cell(a, b) for a, b in zip(r["peak_memory"], r["plan_memory"]))])
+    if ref:
+        rows.append(["reference", _memory_cell(ref["peak_memory"], ref["plan_memory"]), *(["-"] * (W - 1))])
+    lines += _grid(rows)
+    return "\n".join(lines)
+
+
+def _memory_cell(measured: int, estimated: int) -> str:
+    return f"{format_size(measured)} / {format_size(estimated)} ({memory.estimate_error(measured, estimated)})"
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]
