@@ -13,8 +13,10 @@ images profiles in seconds on a laptop. Three PyTorch tools do the measuring:
 
 Kernels also take scratch memory that no fake run can see (oneDNN reorders weights and
 activations on the CPU, cuDNN takes workspace on the GPU). Working memory therefore allows
-one copy of the largest tensor a convolution, batch norm or matmul touches, and one of the
-largest parameter gradient (computed before it is accumulated). Against the CPU allocator
+one copy of the largest tensor a convolution, batch norm or matmul touches -- for the backward
+of a spatial convolution, a copy of its input and one of its output gradient, channels padded
+to oneDNN's blocks (``tracking.scratch_bytes``) -- and one of the largest parameter gradient
+(computed before it is accumulated). Against the CPU allocator
 this lands within a few percent on whole models (``python -m gems.partition.accuracy``).
 
 Each unit runs on a detached copy of the previous unit's output (aliased back to it, so a
@@ -133,7 +135,7 @@ class _Run:
                     raise self._input_error(i, error) from None
             self.copied.append(self.precision.copied - copied if self.precision else 0)
             fwd_flops.append(self.flops.get_total_flops())
-            fwd_working.append(self.allocations.peak_since(start) + self.allocations.largest_operand)
+            fwd_working.append(self.allocations.peak_since(start) + self.allocations.scratch)
             eval_working.append(self._eval_working(unit, state, arg))
             leaves.append(leaf)
             boundaries.append(_as_tuple(previous, f"unit {self.names[i]}"))
@@ -162,7 +164,7 @@ class _Run:
             ignore = self.allocations.serials(param_grads)
             bwd_working[i] = (sum(storage_bytes(g) for _, g in pairs) + self.allocations.peak_since(start, ignore)
                               + max((tensor_bytes(g) for g in param_grads), default=0)
-                              + self.allocations.largest_operand)
+                              + self.allocations.scratch)
             grads = [leaf.grad for leaf in leaves[i]]
             outputs[i] = []
             del pairs, param_grads
@@ -203,7 +205,7 @@ class _Run:
             # Beyond the scratch allowed for the largest operand (as in training), CPU kernels
             # (oneDNN) reorder a convolution's activations as well as its weight, which a forward-only
             # step's peak, made of working memory alone, feels: one more copy of the largest activation
-            return (self.allocations.peak_since(start) + self.allocations.largest_operand
+            return (self.allocations.peak_since(start) + self.allocations.scratch
                     + self.allocations.largest_activation)
         finally:
             unit.train()

@@ -5,7 +5,7 @@ storage, and when storages are created and freed.
 original). ``Allocations``, a dispatch mode, logs every storage created and freed while it
 is active, so the profile can replay the live bytes of any window (a unit's forward or
 backward) and find its peak; it also records the largest operand of ops whose kernels take
-scratch memory that no fake run can see (``WORKSPACE_OPS``). ``Precision``, another, follows
+scratch memory that no fake run can see (``WORKSPACE_OPS``, ``scratch_bytes``). ``Precision``, another, follows
 which storages ``torch.autocast`` would hold in its lower precision.
 """
 from __future__ import annotations
@@ -37,10 +37,36 @@ class StorageKeys:
 
 # Ops whose kernels take scratch memory the fake run cannot see (oneDNN reorders weights and
 # activations to blocked layouts, cuDNN takes convolution workspace): a unit's working memory
-# allows one copy of the largest tensor such an op reads or writes.
+# allows one copy of the largest tensor such an op reads or writes (``scratch_bytes``) ...
 WORKSPACE_OPS = {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
                   "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "mm", "addmm", "bmm",
                   "_batch_norm_with_update", "batch_norm_backward", "cudnn_convolution", "cudnn_batch_norm"}
+
+
+# ... except the backward of a spatial (k > 1), non-grouped convolution that computes its input's
+# gradient, which holds a copy of its input and one of its output gradient at once (oneDNN:
+# both in blocked layouts, channels padded to a multiple of BLOCK; measured beside the input
+# gradient it makes, 3x an activation for a 64 -> 64 3x3 convolution, not 2x). A 1x1 convolution
+# reorders nothing there, a depthwise one about one copy: they keep the one-copy allowance.
+BLOCK = 16
+
+
+def blocked_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` (N, C, ...) in a blocked layout: C padded to a multiple of ``BLOCK``."""
+    if t.dim() < 3 or t.shape[1] == 0:
+        return tensor_bytes(t)
+    channels = t.shape[1]
+    return tensor_bytes(t) // channels * (-(-channels // BLOCK) * BLOCK)
+
+
+def scratch_bytes(name: str, args: tuple, operands: Sequence[torch.Tensor]) -> int:
+    """Scratch memory allowed to one call of the workspace op ``name`` (see ``WORKSPACE_OPS``)."""
+    largest = max((tensor_bytes(t) for t in operands), default=0)
+    if name == "convolution_backward":
+        grad_output, x, weight, groups, mask = args[0], args[1], args[2], args[9], args[10]
+        if mask[0] and groups == 1 and any(k > 1 for k in weight.shape[2:]):
+            return max(largest, blocked_bytes(x) + blocked_bytes(grad_output))
+    return largest
 
 
 class Allocations(TorchDispatchMode):
@@ -48,6 +74,7 @@ class Allocations(TorchDispatchMode):
 
     Each new storage gets a serial number; ``peak_since`` replays the log from a mark,
     optionally ignoring some storages (e.g. parameter gradients, counted as static memory).
+    ``scratch`` is the most kernel scratch memory one workspace op of the window is allowed.
     """
 
     def __init__(self) -> None:
@@ -55,7 +82,7 @@ class Allocations(TorchDispatchMode):
         self._log: list[tuple[int, int]] = []      # (serial, +bytes / -bytes)
         self._serial: dict[int, int] = {}          # id(storage) -> serial, while alive
         self._next = 0
-        self.largest_operand = 0                   # bytes of the largest tensor an op has read or written
+        self.scratch = 0                           # bytes: the most a workspace op has been allowed
         self.largest_activation = 0                # ... of those not in ``static`` (parameters, buffers)
         self.static: set[int] = set()              # ids of the storages of parameters and buffers
 
@@ -70,8 +97,9 @@ class Allocations(TorchDispatchMode):
                 storage = t.untyped_storage()
                 if id(storage) not in self._serial and id(storage) not in inputs:
                     self._track(storage)
-        if func.name().split("::")[-1].split(".")[0] in WORKSPACE_OPS:
-            self.largest_operand = max([self.largest_operand, *(tensor_bytes(t) for t in operands)])
+        name = func.name().split("::")[-1].split(".")[0]
+        if name in WORKSPACE_OPS:
+            self.scratch = max(self.scratch, scratch_bytes(name, args, operands))
             self.largest_activation = max([self.largest_activation, *(
                 tensor_bytes(t) for t in operands if id(t.untyped_storage()) not in self.static)])
         return out
@@ -89,8 +117,8 @@ class Allocations(TorchDispatchMode):
         self._log.append((serial, -nbytes))
 
     def mark(self) -> int:
-        """Start a window: returns the log position, resets ``largest_operand`` and ``largest_activation``."""
-        self.largest_operand = self.largest_activation = 0
+        """Start a window: returns the log position, resets ``scratch`` and ``largest_activation``."""
+        self.scratch = self.largest_activation = 0
         return len(self._log)
 
     def serials(self, tensors: Sequence[torch.Tensor]) -> set[int]:
