@@ -235,7 +235,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
         except GemsError:
             continue
         r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
-                     p.groups)
+                     p.groups, split=p.split_backward)
         mark = "  <- this plan" if p is chosen else ""
         lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
                      f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
@@ -264,7 +264,8 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
         return costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes
 
     stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
-    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)
+    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget,
+                  split=args.split_backward)
     budget = f" within {format_size(args.memory_budget)}" if args.memory_budget else ""
     lines = [f"sweep: {world} ranks, batch {args.batch_size}, {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
              f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node of {V100_CLUSTER.ranks_per_node}, "

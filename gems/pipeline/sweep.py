@@ -41,13 +41,14 @@ class Candidate(NamedTuple):
 def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
           network: Network = Network(), schedules: Sequence[str] = sch.SCHEDULES,
           stages: Sequence[int] = (1, 2, 4, 8), micro_batches: Sequence[int] = (1, 2, 4, 8),
-          memory_budget: int | None = None, optimizer_time: float = 0.0) -> list[Candidate]:
+          memory_budget: int | None = None, optimizer_time: float = 0.0, split: bool = False) -> list[Candidate]:
     """Every (schedule, K, m, D = world // K) that fits ``memory_budget``, fastest first.
 
     ``costs_for(schedule, K, m, D)`` gives that configuration's ``(Costs, micro-batch size)``
     or ``(Costs, micro-batch size, peak bytes)`` (e.g. from a plan made for it, whose peak
     knows memory policies and working memory), or None to skip it (say, a batch that does
-    not split). Without a peak, the simulated static + activation peak is used.
+    not split). Without a peak, the simulated static + activation peak is used. ``split``: every
+    schedule with its backward split (``gems.pipeline.splitgrad``).
     """
     found = []
     for name in schedules:
@@ -58,7 +59,7 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
                 made = costs_for(name, K, m, world // K)
                 if made is None:
                     continue
-                result = simulate(name, K, m, made[0], network, world // K, optimizer_time)
+                result = simulate(name, K, m, made[0], network, world // K, optimizer_time, split)
                 peak = made[2] if len(made) > 2 and made[2] is not None else max(result.peak_bytes)
                 if memory_budget is None or peak <= memory_budget:
                     found.append(Candidate(name, K, m, world // K, result.step_time,
