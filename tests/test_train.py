@@ -150,7 +150,7 @@ BAD_INPUT = [
     (["--stages", "1", "--schedule", "zigzag"], "invalid choice"),
     (["--stages", "1", "--memory-budget", "40GB?"], "40GB?"),
     (["--stages", "1", "--memory-budget", "100KiB"], "no number of stages fits"),
-    (["--stages", "1", "--memory-budget", "250KiB"], "does not fit --memory-budget 250.00 KiB: position 0"),
+    (["--stages", "1", "--memory-budget", "300KiB"], "does not fit --memory-budget 300.00 KiB: position 0"),
     (["--stages", "1", "--model-arg", "depth"], "--model-arg 'depth' must be KEY=VALUE"),
     (["--stages", "1", "--model-arg", "depth=3"], "does not accept depth"),
     (["--stages", "1", "--init-exclude", "fc.*"], "--init-exclude needs --init-from"),

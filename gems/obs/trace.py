@@ -45,8 +45,9 @@ def parse(label: str) -> dict:
     """The parts of an action label: op, and for per-micro-batch actions replica ("down"/"up"),
     micro, stage and (messages) peer position, and the stage at the other end of a skip edge."""
     match = _LABEL.match(label)
-    if match is None:
-        return {"op": label}
+    if match is None:   # sync, step, or "reduce s1"
+        op, _, stage = label.partition(" s")
+        return {"op": op, "stage": int(stage)} if stage.isdigit() else {"op": label}
     parts: dict = {"op": match["op"], "replica": "down" if match["replica"] == "d" else "up",
                    "micro": int(match["micro"]), "stage": int(match["stage"])}
     for part in ("other", "peer"):
