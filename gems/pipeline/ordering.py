@@ -53,17 +53,7 @@ class Layout:
         return 1 + max(max(row) for row in self.place)
 
 
-@dataclass(frozen=True)
-class State:
-    """What a rule may look at when it ranks ready tasks at tick ``t`` on ``position``."""
-
-    layout: Layout
-    t: int
-    position: int
-    in_flight: dict[tuple[int, int], int]   # (replica, stage) -> micro-batches in flight
-
-
-Rule = Callable[[Task, State], tuple]
+Rule = Callable[[Task, Layout], tuple]   # a ready task's rank: the largest starts
 
 
 @dataclass(frozen=True)
@@ -118,8 +108,7 @@ def greedy(layout: Layout, split: bool, rule: Rule, cap: Callable[[int, int], in
                     ready.append((BACKWARD_WEIGHT, r, j, s))
             if not ready:
                 continue
-            state = State(layout, t, p, flying)
-            op, r, j, s = task = max(ready, key=lambda task: rule(task, state))
+            op, r, j, s = task = max(ready, key=lambda task: rule(task, layout))
             if op == FORWARD:
                 nf[(r, s)] += 1
                 flying[(r, s)] += 1
@@ -158,10 +147,10 @@ def peak_in_flight(order: Order, split: bool) -> list[int]:
 
 # --- rules: larger keys start first -------------------------------------------------------------
 
-def _tail(task: Task, state: State) -> int:
+def _tail(task: Task, layout: Layout) -> int:
     """Ticks of work that must still follow ``task`` on its micro-batch (its critical path)."""
     op, _, _, s = task
-    S = state.layout.stages
+    S = layout.stages
     if op == FORWARD:
         return (S - 1 - s) + 2 * S
     if op in (BACKWARD, BACKWARD_INPUT):
@@ -169,20 +158,20 @@ def _tail(task: Task, state: State) -> int:
     return 0
 
 
-def backward_first(task: Task, state: State) -> tuple:
+def backward_first(task: Task, layout: Layout) -> tuple:
     """1F1B's rule: finish what is in flight (backward before forward), weight-gradients last,
     earlier micro-batches first."""
     op, r, j, _ = task
     return ({BACKWARD: 2, BACKWARD_INPUT: 2, FORWARD: 1, BACKWARD_WEIGHT: 0}[op], -j, -r)
 
 
-def critical_path(task: Task, state: State) -> tuple:
+def critical_path(task: Task, layout: Layout) -> tuple:
     """Longest remaining path first (weight-gradients, which nothing waits on, last)."""
     op, r, j, _ = task
-    return (op != BACKWARD_WEIGHT, _tail(task, state), -j, -r)
+    return (op != BACKWARD_WEIGHT, _tail(task, layout), -j, -r)
 
 
-def fill_first(task: Task, state: State) -> tuple:
+def fill_first(task: Task, layout: Layout) -> tuple:
     """Forwards while the limits allow (fill the pipeline), then backwards, weight-gradients last."""
     op, r, j, _ = task
     return ({FORWARD: 2, BACKWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 0}[op], -j, -r)
