@@ -135,3 +135,10 @@ def test_split_backward_with_tuple_boundaries_and_batchnorm(kind):
 @pytest.mark.timeout(60)
 def test_split_backward_under_nccl_semantics():
     run_loopback("transparency", "mast", 3, 2, 1, steps=2, split=True, semantics="nccl")
+
+
+def test_a_stage_with_no_output_gradients_has_nothing_to_do():
+    lin = nn.Linear(3, 2)
+    pending = input_half([], [], [torch.randn(1, 3, requires_grad=True)], list(lin.parameters()))
+    weight_half(pending)
+    assert lin.weight.grad is None

@@ -135,7 +135,7 @@ def _accumulate(t: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def weight_half(pending: Pending) -> None:
     """Accumulate the parameters' gradients into ``.grad``; frees the graph."""
-    if pending.rest:
+    if pending.rest and pending.outputs:   # no outputs: nothing of this stage reaches a loss
         torch.autograd.backward(pending.outputs, pending.grads, inputs=pending.rest, retain_graph=bool(pending.groups))
     for node, params in pending.groups:
         captured = pending.captured.get(node) or ()
