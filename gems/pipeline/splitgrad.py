@@ -105,10 +105,6 @@ def input_half(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, in
             shared[next(iter(met))].append(p)
         else:   # uncovered, or meeting the input path more than once (a weight used twice)
             pending.rest.append(p)
-    # a node whose parameters also meet the path elsewhere goes the slow way with them
-    for node, ps in list(shared.items()):
-        if any(len(meets[p]) != 1 for p in ps):
-            pending.rest += shared.pop(node)
     pending.groups = list(shared.items())
     handles = [node.register_prehook(lambda grad_outputs, node=node: pending.captured.__setitem__(node, grad_outputs))
                for node in shared]
