@@ -68,6 +68,7 @@ class BenchConfig:
                                           "default: micro-batches of one image")
     stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group)")
     split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions")
+    shard_optimizer: bool = opt(False, "share the optimizer step and state across each sync group")
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
     num_classes: int = opt(10, "classes the model outputs (per image, or per pixel for a segmentation model)")
     lr: float = opt(0.01, "SGD learning rate (momentum 0.9), the same for every run")
@@ -252,7 +253,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     m = micro_batches_for(cfg, name, groups)
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
-                          split_backward=cfg.split_backward)
+                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)

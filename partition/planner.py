@@ -53,7 +53,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          host_bandwidth: float | str = HOST_BANDWIDTH, device_flops: float = V100_FLOPS,
          efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
          comm: str | None = None, split_points: Sequence[str] | None = None,
-         leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False) -> Plan:
+         leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False,
+         shard_optimizer: bool = False) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -154,6 +155,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
     result.leaf_modules = leaves   # the engine traces the model the same way
+    result.shard_optimizer = shard_optimizer   # not priced yet: each rank's estimate keeps all the state
     return result
 
 

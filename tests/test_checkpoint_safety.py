@@ -51,7 +51,7 @@ def engine(rank: int, shared: dict) -> SimpleNamespace:
         return {"model": {f"{stage}.weight": torch.full((4, 4), float(stage))},
                 "optimizer": {}, "param_groups": [{"lr": 0.1}]}
     return SimpleNamespace(comm=ThreadComm(rank, shared), group=0, position=rank,
-                           plan=SimpleNamespace(cuts=CUTS), stage_state=stage_state)
+                           plan=SimpleNamespace(cuts=CUTS, shard_optimizer=False), stage_state=stage_state)
 
 
 def save_on_all_ranks(directory: Path, step: int, keep: int = 0, ranks: int = 2) -> list:

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=checked(positive), default=1, help="m, per replica per step")
     p.add_argument("--split-backward", action="store_true",
                    help="split each backward into input- and weight-gradient actions; weight-gradients fill bubbles")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="each rank of a sync group updates a share of the parameters (recorded in the plan, "
+                        "not yet priced)")
     p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
     p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
     p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
@@ -195,7 +198,8 @@ def _plan(args: argparse.Namespace) -> None:
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
                    efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
-                   leaf_modules=args.leaf_module, split_backward=args.split_backward, profiles={})   # each micro-batch size profiled once
+                   leaf_modules=args.leaf_module, split_backward=args.split_backward,
+                   shard_optimizer=args.shard_optimizer, profiles={})   # each micro-batch size profiled once
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return

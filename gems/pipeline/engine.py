@@ -96,8 +96,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
-        self.K, self.m = plan.stages, plan.micro_batches
-        self.topology = Topology(comm.size, self.K, plan.schedule)
+        self.K, self.m, self.topology = plan.stages, plan.micro_batches, Topology(comm.size, plan.stages, plan.schedule)
         self.group, self.position = self.topology.coords(comm.rank)
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
         lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)
@@ -117,7 +116,7 @@ class Engine:
         runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm)
-        self.optimizer = optimizer([p for s in self.stages.values() for p in s.parameters()])
+        self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
         self.grads.keep_grads_in_bucket(self.optimizer)
         messenger = Messenger(comm, self.topology, lists, self.position, routes, batches.rows_per_micro,
                               self.device, prefetch)
@@ -127,7 +126,8 @@ class Engine:
                              if a.op == sch.FORWARD and a.stage == self.K - 1]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
                                  self.grads, self.loss_fn, autocast, self.device, self.optimizer)
-        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras)
+        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras,
+                                 self.grads.group_comm if plan.shard_optimizer else None)
 
     @property
     def needs_images(self) -> bool:
@@ -291,7 +291,7 @@ class Engine:
         return self._state.state_dict()
 
     def stage_state(self, stage: int) -> dict:
-        """A checkpoint shard of one stage this rank holds (see ``StageState.stage_state``)."""
+        """A checkpoint shard of a stage this rank holds (``StageState.stage_state``; COLLECTIVE if sharded)."""
         return self._state.stage_state(stage)
 
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, dict] | None = None,

@@ -78,6 +78,8 @@ class GradSync:
         self._stats_before = torch.empty(sum(n for _, n in sizes.values()), dtype=dtype, device=device)
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
+        self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
+        self._params = torch.zeros(0, dtype=dtype, device=device)   # their exchange buffer when sharded
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -100,6 +102,42 @@ class GradSync:
             for s in self.stages.values():
                 for t in list(s.parameters()) + list(s.buffers()):
                     self.comm.broadcast(t.data, root, self.group_comm)
+
+    def optimized(self, shard: bool) -> list[nn.Parameter]:
+        """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
+        each stage's -- whole parameters, contiguous in the bucket, about 1/n of the elements for
+        each of the n members of the sync group (the same split on every member); the others'
+        new values arrive after each step (``apply``). Sharding needs at least n parameters per stage."""
+        if not shard or self.group_comm is None:
+            return [p for s in self.stages.values() for p in s.parameters()]
+        params = [p for p, _ in self._views]
+        n, me = self.group_comm.size, self.group_comm.rank
+        owned: list[nn.Parameter] = []
+        for _, grads, _, _ in self._segments.values():
+            mine = [p for p, _ in self._views if p.grad is not None and _inside(p.grad, grads)]
+            owned += mine[slice(*_share(mine, n)[me:me + 2])]
+        if not owned:
+            raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
+                            f"among {n} ranks: train without --shard-optimizer")
+        self._owned = {id(p) for p in owned}
+        self._params = torch.zeros(sum(p.numel() for p in params), dtype=self.bucket.dtype, device=self.bucket.device)
+        return owned
+
+    @torch.no_grad()
+    def _share_params(self) -> None:
+        """Every member's updated parameters to every member: one allreduce of a flat copy in which
+        each parameter is nonzero only on its owner (x + 0 = x: exact)."""
+        self._params.zero_()
+        offset = 0
+        for p, _ in self._views:
+            if id(p) in self._owned:
+                self._params[offset:offset + p.numel()].copy_(p.reshape(-1))
+            offset += p.numel()
+        self.comm.allreduce(self._params, self.group_comm, "the parameter exchange")
+        offset = 0
+        for p, _ in self._views:
+            p.copy_(self._params[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
@@ -200,6 +238,31 @@ class GradSync:
                     for _, grads, _, _ in self._segments.values():
                         grads.mul_(scale)
             optimizer.step()
+            if self._owned is not None:
+                self._share_params()
             self.batch_norms.update()
         self._zero_grads()
         return applied
+
+
+def _inside(view: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``view`` lies in ``flat``'s part of their shared storage."""
+    start = view.storage_offset()
+    return flat.storage_offset() <= start < flat.storage_offset() + flat.numel()
+
+
+def _share(params: list[nn.Parameter], n: int) -> list[int]:
+    """n + 1 boundaries cutting ``params`` into n runs of about equal elements (member k takes
+    ``params[b[k]:b[k + 1]]``): run k starts at the first parameter whose middle lies past k/n of
+    the elements; no run is empty unless there are fewer parameters than members (then one each)."""
+    if len(params) < n:
+        return [min(k, len(params)) for k in range(n + 1)]
+    total, seen, mids = sum(p.numel() for p in params), 0, []
+    for p in params:
+        mids.append(2 * seen + p.numel())   # twice the middle, in elements
+        seen += p.numel()
+    bounds = [0]
+    for k in range(1, n):
+        first = next((i for i, mid in enumerate(mids) if mid * n >= 2 * k * total), len(params))
+        bounds.append(min(max(first, bounds[-1] + 1), len(params) - (n - k)))
+    return bounds + [len(params)]

@@ -169,6 +169,9 @@ class Plan:
     # (gems.pipeline.splitgrad), and how the schedule search made the step's order.
     split_backward: bool = False
     order: str = ""
+    # Each rank of a sync group updates its share of the parameters and keeps only their optimizer
+    # state (gems.pipeline.gradsync.GradSync.optimized); the updated values are exchanged after the step.
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not self.policies:

@@ -159,11 +159,13 @@ def save(engine, directory: str | os.PathLike, step: int, meta: dict, keep: int 
 
     settle({}, _attempt(comm.rank, fresh_directory) if comm.rank == 0 else None)
     files: dict[str, str] = {}
+    # a sharded optimizer's state is gathered from the whole sync group: every rank takes part
+    shard = engine.stage_state(engine.position) if engine.plan.shard_optimizer else None
 
     def write_files() -> None:
         if engine.group == 0:
             name = f"stage-{engine.position}.pt"
-            state = engine.stage_state(engine.position)
+            state = shard if shard is not None else engine.stage_state(engine.position)
             _write_atomic(path / name, lambda f: torch.save(state, f))
             files[name] = _sha256(path / name)
         rng = {"torch": torch.get_rng_state()}

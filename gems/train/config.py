@@ -87,6 +87,8 @@ class TrainConfig:
     micro_batches: int = opt(1, "micro-batches per replica per step")
     split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions, the "
                                       "weight-gradients filling pipeline bubbles (zero-bubble style)")
+    shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
+                                       "the parameters and keeps only their optimizer state")
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")

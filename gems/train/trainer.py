@@ -70,7 +70,7 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
-                          split_backward=cfg.split_backward)
+                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer)
 
 
 def _names(names: list[str]) -> str:

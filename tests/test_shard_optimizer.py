@@ -1,0 +1,75 @@
+"""The optimizer sharded across the sync group: each rank updates its share of the parameters and
+keeps only their optimizer state, the updated values are exchanged after the step; training equals
+one process, and a checkpoint's optimizer state (keyed by parameter name) is the same whether the
+run that wrote it sharded or not, so either kind of run resumes the other."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gems
+from gems.comm import loopback
+from gems.pipeline.gradsync import _share
+
+from equivalence import build, data, make_plan, optimizer, run_loopback
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.mark.parametrize("schedule,K,m,D", [("mast", 2, 2, 1), ("mast", 2, 2, 2), ("mast", 3, 1, 2),
+                                            ("1f1b", 2, 2, 2), ("gpipe", 1, 2, 2)])
+def test_sharded_optimizer_trains_like_one_process(schedule, K, m, D):
+    run_loopback("transparency", schedule, K, m, D, steps=3, shard=True)
+
+
+def test_sharded_optimizer_with_clipping_and_batchnorm():
+    run_loopback("transparency", "mast", 2, 2, 1, steps=3, shard=True, clip=0.05)
+    run_loopback("batchnorm", "mast", 2, 2, 1, steps=2, shard=True)
+
+
+def test_each_member_takes_a_run_of_about_equal_elements():
+    P = lambda *sizes: [nn.Parameter(torch.zeros(k)) for k in sizes]   # noqa: E731
+    assert _share(P(5, 5, 5, 5), 2) == [0, 2, 4]
+    assert _share(P(1, 1, 100, 1, 1), 3) == [0, 2, 3, 5]
+    assert _share(P(100, 1, 1), 3) == [0, 1, 2, 3]      # none empty
+    assert _share(P(1, 2), 4) == [0, 1, 2, 2, 2]         # fewer parameters than members
+
+
+def _shards(comm, model, plan, steps, load=None):
+    """Train ``steps`` steps (after loading ``load``: (model state, optimizer state)), then every
+    rank's checkpoint shard of its position and its optimizer's own parameter count."""
+    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    if load is not None:
+        engine.load_state(*load)
+    for step in steps:
+        engine.step(*data(plan.batch_size, step))
+    shard = engine.stage_state(engine.position)
+    held = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    return shard, held, engine.state_dict()
+
+
+def _run(shard: bool, steps, load=None):
+    model, plan = build("transparency"), make_plan("transparency", "mast", 2, 2, 2, shard=shard)
+    return loopback.run(4, lambda comm: _shards(comm, copy.deepcopy(model), copy.deepcopy(plan), steps,
+                                                copy.deepcopy(load)), timeout=30)
+
+
+def _full_optimizer_state(results) -> dict:
+    return {name: st for shard, _, _ in results for name, st in shard["optimizer"].items()}
+
+
+def test_checkpoints_are_the_same_sharded_or_not_and_each_resumes_the_other():
+    plain, sharded = _run(False, range(2)), _run(True, range(2))
+    assert sharded[0][1] < plain[0][1]   # a rank's optimizer holds a share of the parameters
+    a, b = _full_optimizer_state(plain), _full_optimizer_state(sharded)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name]["momentum_buffer"], a[name]["momentum_buffer"], rtol=0, atol=0)
+    # resume: sharded from the plain checkpoint and plain from the sharded one, one more step each
+    state = plain[0][2]
+    after = [_run(shard, [2], (state, opt))[0][2] for shard, opt in ((True, a), (False, b))]
+    for key in after[0]:
+        torch.testing.assert_close(after[0][key], after[1][key], rtol=0, atol=0, msg=key)
