@@ -79,9 +79,12 @@ def _check_reduces(p: int, actions: list[Action], held: list[int]) -> None:
     sync = next(i for i, a in enumerate(actions) if a.op == SYNC)
     for i, a in enumerate(actions):
         if a.op == REDUCE:
-            late = [b for b in actions[i:] if b.op in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) and b.stage == a.stage]
-            if late or i > sync:
-                raise ValueError(f"position {p}: {a} before {late[0] if late else 'the sync'}")
+            late = [b for b in actions[i:] if b.op in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+                    and b.stage == a.stage]
+            if late:
+                raise ValueError(f"position {p}: {a} before {late[0]}")
+            if i > sync:
+                raise ValueError(f"position {p}: {a} after the sync")
 
 
 def _check_messages(lists: list[list[Action]]) -> None:
