@@ -65,6 +65,7 @@ class GradSync:
         # for backward, and a view of the bucket would share its version counter with the
         # gradients being accumulated, failing autograd's in-place check.
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._stage_params = params   # per stage, in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
             segment = self.bucket[offset:offset + n_grad + n_stats]
@@ -107,14 +108,13 @@ class GradSync:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
         each stage's -- whole parameters, contiguous in the bucket, about 1/n of the elements for
         each of the n members of the sync group (the same split on every member); the others'
-        new values arrive after each step (``apply``). Sharding needs at least n parameters per stage."""
+        new values arrive after each step (``apply``)."""
         if not shard or self.group_comm is None:
             return [p for s in self.stages.values() for p in s.parameters()]
         params = [p for p, _ in self._views]
         n, me = self.group_comm.size, self.group_comm.rank
         owned: list[nn.Parameter] = []
-        for _, grads, _, _ in self._segments.values():
-            mine = [p for p, _ in self._views if p.grad is not None and _inside(p.grad, grads)]
+        for mine in self._stage_params.values():
             owned += mine[slice(*_share(mine, n)[me:me + 2])]
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
@@ -244,11 +244,6 @@ class GradSync:
         self._zero_grads()
         return applied
 
-
-def _inside(view: torch.Tensor, flat: torch.Tensor) -> bool:
-    """Whether ``view`` lies in ``flat``'s part of their shared storage."""
-    start = view.storage_offset()
-    return flat.storage_offset() <= start < flat.storage_offset() + flat.numel()
 
 
 def _share(params: list[nn.Parameter], n: int) -> list[int]:
