@@ -6,6 +6,7 @@
     gems.partition                the planner (may use the pure schedule IR and the simulator)
     gems.obs                      measuring: memory meters, traces
     gems.pipeline                 the runtime
+    gems.spatial                  tiles of one image across ranks (the runtime's spatial part)
     gems.comm                     transports
     gems.models                   model builders
     gems.graph                    any model as a chain of units (what the planner prices and the runtime runs)
@@ -34,15 +35,16 @@ ALLOWED = {
     "gems.graph": BASE,
     "gems.models": BASE,
     "gems.comm": BASE,
-    "gems.pipeline": BASE | {"gems.plan", "gems.graph", "gems.comm"},
+    "gems.spatial": BASE | {"gems.plan", "gems.graph", "gems.comm"},
+    "gems.pipeline": BASE | {"gems.plan", "gems.graph", "gems.comm", "gems.spatial"},
     "gems.obs": BASE | {"gems.plan", "gems.pipeline"},
-    "gems.partition": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.pipeline", "gems.obs"},
+    "gems.partition": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.pipeline", "gems.obs", "gems.spatial"},
     "gems.train": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
-                          "gems.partition"},
+                          "gems.partition", "gems.spatial"},
     "gems.bench": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
-                          "gems.partition", "gems.train"},
+                          "gems.partition", "gems.train", "gems.spatial"},
     "gems.cli": BASE | {"gems.plan", "gems.graph", "gems.models", "gems.comm", "gems.pipeline", "gems.obs",
-                        "gems.partition", "gems.train", "gems.bench"},
+                        "gems.partition", "gems.train", "gems.bench", "gems.spatial"},
 }
 # The planner may use the pipeline's pure parts only (never the executor or the engine).
 PURE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",   # schedule modules: no torch

@@ -1,0 +1,80 @@
+"""Where each tile lies and which input rows an output range needs: pure integer geometry.
+
+Every tiled activation of global height H and width W is cut into an R x C grid: tile (i, j)
+holds rows ``parts(H, R)[i]`` and columns ``parts(W, C)[j]`` (``parts``: near-equal ranges, the
+larger ones last), whatever layer made it. An operation computes its own tile of the output;
+the input it needs for that is one range per axis, found here from the operation's kernel,
+stride, padding and dilation. Ranges are half-open ``(lo, hi)`` in global coordinates and may
+reach outside ``[0, size)``: those rows are the operation's padding, filled, never fetched.
+"""
+from __future__ import annotations
+
+import math
+Range = tuple[int, int]
+
+
+def parts(size: int, count: int) -> list[Range]:
+    """``count`` consecutive near-equal ranges covering ``[0, size)``: range t is
+    ``[t*size//count, (t+1)*size//count)``, so no two differ by more than one row."""
+    return [(t * size // count, (t + 1) * size // count) for t in range(count)]
+
+
+def intersect(a: Range, b: Range) -> Range | None:
+    """The overlap of two ranges, None when empty."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def window_need(out: Range, kernel: int, stride: int, pad_lo: int, dilation: int = 1) -> Range:
+    """Input rows a sliding window (convolution, pooling) reads for output rows ``out``, with
+    ``pad_lo`` rows of padding before row 0: output row o reads input rows
+    ``o*stride - pad_lo + d*k`` for k in 0..kernel-1."""
+    lo, hi = out
+    return lo * stride - pad_lo, (hi - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
+
+
+def transposed_need(out: Range, size: int, kernel: int, stride: int, pad: int, dilation: int = 1) -> Range:
+    """Input rows (inside ``[0, size)``) a transposed convolution takes for output rows ``out``:
+    input row i adds to output rows ``i*stride - pad + d*k``, k in 0..kernel-1."""
+    lo, hi = out
+    first = math.ceil((lo + pad - dilation * (kernel - 1)) / stride)
+    last = (hi - 1 + pad) // stride
+    return max(first, 0), min(last + 1, size)
+
+
+def transposed_covers(need: Range, kernel: int, stride: int, pad: int, dilation: int = 1) -> Range:
+    """Output rows that a transposed convolution of input rows ``need`` (padding 0) produces, in
+    global output coordinates."""
+    lo, hi = need
+    return lo * stride - pad, (hi - 1) * stride - pad + dilation * (kernel - 1) + 1
+
+
+def halo(size: int, count: int, out_size: int, kernel: int, stride: int, pad_lo: int,
+         dilation: int = 1) -> int:
+    """The most rows any tile of a sliding window's input needs beyond its own (for pricing)."""
+    own, want = parts(size, count), parts(out_size, count)
+    extra = 0
+    for (a, b), out in zip(own, want):
+        if out[0] >= out[1]:
+            continue
+        lo, hi = window_need(out, kernel, stride, pad_lo, dilation)
+        extra = max(extra, max(0, a - max(lo, 0)) + max(0, min(hi, size) - b))
+    return extra
+
+
+def grids(count: int) -> list[tuple[int, int]]:
+    """Every R x C grid of ``count`` tiles, strips first (count x 1, 1 x count)."""
+    pairs = [(r, count // r) for r in range(1, count + 1) if count % r == 0]
+    return sorted(pairs, key=lambda rc: (min(rc) != 1, rc[1]))
+
+
+def parse_grid(text: str | int) -> tuple[int, int] | int:
+    """"RxC" as (R, C), a plain count as an int; ValueError otherwise."""
+    if isinstance(text, int):
+        return text
+    text = str(text).strip().lower()
+    if "x" in text:
+        r, c = text.split("x", 1)
+        return int(r), int(c)
+    return int(text)
+

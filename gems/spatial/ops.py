@@ -1,0 +1,234 @@
+"""Layers on tiles: each computes this tile's part of its global output, exactly.
+
+A handler takes the tiled input(s), the global (H, W) of its input and output, and the layer's
+own settings, fetches the halo its window needs (``gems.spatial.tiles.fetch``, the layer's
+padding value outside the image) and runs the stock PyTorch function with padding 0 on the
+fetched region, so no arithmetic is written by hand except where PyTorch's own formula must be
+evaluated for one tile's output range (interpolation's source rows, normalisation statistics
+summed over the tile group).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gems.spatial.geometry import parts, transposed_covers, transposed_need, window_need
+from gems.spatial.tiles import TileGroup, allreduce, fetch
+
+HW = tuple[int, int]
+DIMS = (2, 3)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
+
+
+def _count(tiles: TileGroup, dim: int) -> int:
+    return tiles.grid[0] if dim == 2 else tiles.grid[1]
+
+
+def windowed(x: torch.Tensor, tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo,
+             dilation=(1, 1), fill: float = 0.0) -> torch.Tensor:
+    """``x`` extended by the halo a sliding window needs for this tile's output rows and columns."""
+    for axis, dim in enumerate(DIMS):
+        outs = parts(size_out[axis], _count(tiles, dim))
+        k, s, p, d = kernel[axis], stride[axis], pad_lo[axis], dilation[axis]
+        x = fetch(x, tiles, dim, size_in[axis],
+                  lambda i, own, outs=outs, k=k, s=s, p=p, d=d: window_need(outs[i], k, s, p, d), fill)
+    return x
+
+
+def conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int]:
+    """Rows of padding before row 0 (and columns before column 0) of a Conv2d's ``padding``."""
+    if padding == "valid":
+        return 0, 0
+    if padding == "same":
+        return tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilation))
+    return _pair(padding)
+
+
+def conv2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    kernel, stride, dilation = tuple(weight.shape[2:]), _pair(stride), _pair(dilation)
+    pad = conv_padding(padding, kernel, dilation)
+    x = windowed(x, tiles, size_in, size_out, kernel, stride, pad, dilation)
+    return F.conv2d(x, weight, bias, stride, 0, dilation, groups)
+
+
+def conv_transpose2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, output_padding=0,
+                     groups=1, dilation=1):
+    kernel, stride, pad, dilation = tuple(weight.shape[2:]), _pair(stride), _pair(padding), _pair(dilation)
+    covers = []
+    for axis, dim in enumerate(DIMS):
+        outs = parts(size_out[axis], _count(tiles, dim))
+        k, s, p, d, n = kernel[axis], stride[axis], pad[axis], dilation[axis], size_in[axis]
+        want = lambda i, own, outs=outs, k=k, s=s, p=p, d=d, n=n: transposed_need(outs[i], n, k, s, p, d)  # noqa: E731
+        x = fetch(x, tiles, dim, n, want)
+        mine = outs[tiles.line(dim)[1]]
+        covers.append((mine, transposed_covers(_need_of(tiles, dim, want, n), k, s, p, d)))
+    y = F.conv_transpose2d(x, weight, None, stride, 0, 0, groups, dilation)
+    # keep this tile's output rows: those the fetched inputs reach, then rows past the last
+    # input's reach (output_padding) hold no contribution: zeros, before the bias
+    for (mine, cover), dim in zip(covers, DIMS):
+        lo, hi = max(mine[0], cover[0]), min(mine[1], cover[1])
+        y = y.narrow(dim, lo - cover[0], max(hi - lo, 0))
+        before, after = lo - mine[0], mine[1] - max(hi, lo)
+        if before or after:
+            pad_arg = (0, 0, before, after) if dim == 2 else (before, after)
+            y = F.pad(y, pad_arg)
+    return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+
+def _need_of(tiles: TileGroup, dim: int, want, size: int):
+    members, me = tiles.line(dim)
+    return want(me, parts(size, len(members))[me])
+
+
+def max_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0, dilation=1,
+               ceil_mode=False, return_indices=False):
+    kernel = _pair(kernel_size)
+    stride = _pair(stride) if stride not in (None, []) else kernel
+    x = windowed(x, tiles, size_in, size_out, kernel, stride, _pair(padding), _pair(dilation), -math.inf)
+    return F.max_pool2d(x, kernel, stride, 0, _pair(dilation))
+
+
+def avg_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0, ceil_mode=False,
+               count_include_pad=True, divisor_override=None):
+    kernel = _pair(kernel_size)
+    stride = _pair(stride) if stride not in (None, []) else kernel
+    pad = _pair(padding)
+    region = windowed(x, tiles, size_in, size_out, kernel, stride, pad)
+    total = F.avg_pool2d(region, kernel, stride, 0, divisor_override=1)
+    if divisor_override:
+        return total / divisor_override
+    if count_include_pad or pad == (0, 0):
+        return total / (kernel[0] * kernel[1])
+    # divide by the window's pixels inside the image: pool a mask of them over the same region
+    masks = []
+    for axis, dim in enumerate(DIMS):
+        out = parts(size_out[axis], _count(tiles, dim))[tiles.line(dim)[1]]
+        lo, hi = window_need(out, kernel[axis], stride[axis], pad[axis])
+        rows = torch.arange(lo, hi, device=x.device)
+        masks.append(((rows >= 0) & (rows < size_in[axis])).to(x.dtype))
+    mask = (masks[0][:, None] * masks[1][None, :])[None, None]
+    return total / F.avg_pool2d(mask, kernel, stride, 0, divisor_override=1)
+
+
+def _source(out: tuple[int, int], size_in: int, size_out: int, mode: str, align_corners, scale):
+    """PyTorch's source rows and weights for output rows ``out`` of one axis (its upsample kernels'
+    formulas, in float32 as they compute): [(rows, weight or None)] to sum."""
+    o = torch.arange(*out, dtype=torch.float32)
+    if mode == "nearest":
+        if size_out == size_in:
+            src = o.long()
+        elif size_out == 2 * size_in:
+            src = o.long() // 2
+        else:
+            factor = torch.tensor(1.0 / scale if scale else size_in / size_out, dtype=torch.float32)
+            src = torch.clamp(torch.floor(o * factor).long(), max=size_in - 1)
+        return [(src, None)]
+    if size_out == size_in:
+        return [(o.long(), None)]
+    if align_corners:
+        factor = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
+        real = o * torch.tensor(factor, dtype=torch.float32)
+    else:
+        factor = torch.tensor(1.0 / scale if scale else size_in / size_out, dtype=torch.float32)
+        real = torch.clamp((o + 0.5) * factor - 0.5, min=0.0)
+    first = real.long()
+    nxt = first + (first < size_in - 1).long()
+    lam = torch.clamp(real - first.float(), 0.0, 1.0)
+    return [(first, 1.0 - lam), (nxt, lam)]
+
+
+def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                recompute_scale_factor=None, antialias=False):
+    if isinstance(scale_factor, (int, float)) or scale_factor is None:
+        scales = (scale_factor, scale_factor)
+    else:
+        scales = tuple(scale_factor)
+    if size is not None or recompute_scale_factor:
+        scales = (None, None)
+    for axis, dim in enumerate(DIMS):
+        out = parts(size_out[axis], _count(tiles, dim))
+        terms = lambda i, n=size_in[axis], m=size_out[axis], s=scales[axis], out=out: _source(  # noqa: E731
+            out[i], n, m, "nearest" if mode == "nearest" else "linear", align_corners, s)
+        reach = lambda i, own, terms=terms: (int(min(r.min() for r, _ in terms(i))),   # noqa: E731
+                                             int(max(r.max() for r, _ in terms(i))) + 1)
+        region = fetch(x, tiles, dim, size_in[axis], reach)
+        me = tiles.line(dim)[1]
+        base = reach(me, None)[0]
+        result = None
+        for rows, weight in terms(me):
+            part = region.index_select(dim, (rows - base).to(x.device))
+            if weight is not None:
+                shape = [1, 1, 1, 1]
+                shape[dim] = -1
+                part = part * weight.to(x.device, x.dtype).view(shape)
+            result = part if result is None else result + part
+        x = result
+    return x
+
+
+def pad(x, tiles, size_in, size_out, pads, mode="constant", value=None):
+    """F.pad of the last two axes (negative pads crop): output row o is input row o - top."""
+    pads = list(pads) + [0] * (4 - len(pads))
+    for axis, dim, before in ((0, 2, pads[2]), (1, 3, pads[0])):
+        outs = parts(size_out[axis], _count(tiles, dim))
+        x = fetch(x, tiles, dim, size_in[axis], lambda i, own, outs=outs, b=before: (outs[i][0] - b, outs[i][1] - b),
+                  0.0 if value is None else float(value))
+    return x
+
+
+def crop(x, tiles, size_in, size_out, starts: tuple[int, int]):
+    """A slice ``[start:start + size_out]`` of each spatial axis."""
+    for axis, dim in enumerate(DIMS):
+        outs = parts(size_out[axis], _count(tiles, dim))
+        x = fetch(x, tiles, dim, size_in[axis], lambda i, own, outs=outs, a=starts[axis]: (outs[i][0] + a, outs[i][1] + a))
+    return x
+
+
+def spatial_sum(x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
+    """Σ over the image of each (N, C): this tile's sums added over the tile group (N, C, 1, 1)."""
+    return allreduce(x.sum(DIMS, keepdim=True), tiles)
+
+
+def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
+    """Training-mode BatchNorm2d with statistics of the whole images (every tile), and PyTorch's
+    update of the running statistics; eval mode is per pixel and runs the module itself."""
+    if not (module.training or module.running_mean is None):
+        return module(x)
+    factor = 0.0
+    if module.training and module.track_running_stats:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    n = x.shape[0] * size[0] * size[1]
+    mean = allreduce(x.sum((0, 2, 3)), tiles) / n
+    centred = x - mean.view(1, -1, 1, 1)
+    var = allreduce(centred.square().sum((0, 2, 3)), tiles) / n
+    if module.training and module.track_running_stats:
+        with torch.no_grad():
+            module.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+            module.running_var.mul_(1 - factor).add_(var.detach() * (n / max(n - 1, 1)), alpha=factor)
+    y = centred * torch.rsqrt(var + module.eps).view(1, -1, 1, 1)
+    if module.affine:
+        y = y * module.weight.view(1, -1, 1, 1) + module.bias.view(1, -1, 1, 1)
+    return y
+
+
+def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
+    """F.group_norm with each group's mean and variance over the whole image."""
+    N, C = x.shape[:2]
+    g = x.reshape(N, num_groups, C // num_groups, *x.shape[2:])
+    n = (C // num_groups) * size[0] * size[1]
+    mean = allreduce(g.sum((2, 3, 4)), tiles) / n
+    centred = g - mean.view(N, num_groups, 1, 1, 1)
+    var = allreduce(centred.square().sum((2, 3, 4)), tiles) / n
+    y = (centred * torch.rsqrt(var + eps).view(N, num_groups, 1, 1, 1)).reshape(x.shape)
+    if weight is not None:
+        y = y * weight.view(1, -1, 1, 1)
+    if bias is not None:
+        y = y + bias.view(1, -1, 1, 1)
+    return y
