@@ -22,7 +22,7 @@ from gems.errors import GemsError
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
 _LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": [],
-                 "routes": []}
+                 "routes": [], "spatial_grid": [], "spatial_end": 0}
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
@@ -172,10 +172,21 @@ class Plan:
     # Each rank of a sync group updates its share of the parameters and keeps only their optimizer
     # state (gems.pipeline.gradsync.GradSync.optimized); the updated values are exchanged after the step.
     shard_optimizer: bool = False
+    # Spatial part (gems.spatial): units [0, spatial_end) of stage 0 run on a tile group of
+    # rows x cols ranks at every position holding stage 0, each rank one tile of every activation;
+    # the boundary at spatial_end is gathered on the group's first rank, which runs the rest. Empty:
+    # no spatial part. World = groups x (stages + (tiles - 1) x positions holding stage 0).
+    spatial_grid: list[int] = field(default_factory=list)
+    spatial_end: int = 0
 
     def __post_init__(self) -> None:
         if not self.policies:
             self.policies = [StagePolicy() for _ in range(self.stages)]
+
+    @property
+    def tiles(self) -> int:
+        """P: ranks per tile group (1 without a spatial part)."""
+        return self.spatial_grid[0] * self.spatial_grid[1] if self.spatial_grid else 1
 
     @property
     def balance(self) -> list[int]:
@@ -284,6 +295,11 @@ class Plan:
                     or not all(_is_dtype(name) for name in dtypes)):
                 raise GemsError(f"stage {s}'s output shapes {shapes} and dtypes {dtypes} do not describe tensors: "
                                 "regenerate the plan with gems-plan --json")
+        if self.spatial_grid and not (len(self.spatial_grid) == 2 and min(self.spatial_grid) >= 1
+                                      and 0 < self.spatial_end <= self.cuts[1]):
+            raise GemsError(f"the plan's spatial part (grid {self.spatial_grid}, end unit {self.spatial_end}) is not a "
+                            f"rows x cols grid with an end inside stage 0 (units 1..{self.cuts[1]}): fix the plan or "
+                            "regenerate it with gems-plan --spatial")
         for s, policy in enumerate(self.policies):
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
             for seg in policy.recompute:
@@ -291,6 +307,9 @@ class Plan:
                     raise GemsError(f"stage {s} recompute segment {seg} is not an increasing [first, end) unit range "
                                     f"inside the stage's units [{lo}, {hi}): fix the plan's policies")
                 end = seg[1]
+                if s == 0 and self.spatial_grid and seg[0] < self.spatial_end < seg[1]:
+                    raise GemsError(f"stage 0 recompute segment {seg} crosses the end of the spatial part (unit "
+                                    f"{self.spatial_end}): end the segment there or start it there")
 
     # -- people ----------------------------------------------------------------------
     def table(self) -> str:
