@@ -50,7 +50,7 @@ def engine(rank: int, shared: dict) -> SimpleNamespace:
     def stage_state(stage: int) -> dict:
         return {"model": {f"{stage}.weight": torch.full((4, 4), float(stage))},
                 "optimizer": {}, "param_groups": [{"lr": 0.1}]}
-    return SimpleNamespace(comm=ThreadComm(rank, shared), group=0, position=rank,
+    return SimpleNamespace(comm=ThreadComm(rank, shared), group=0, position=rank, tile=0,
                            plan=SimpleNamespace(cuts=CUTS, shard_optimizer=False), stage_state=stage_state)
 
 

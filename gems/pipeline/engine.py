@@ -33,7 +33,7 @@ from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
 from gems.pipeline.executor import Executor
-from gems.pipeline.forward import Forwards
+from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.loss import LossScores, as_sum_loss, reciprocal
 from gems.pipeline.ir import describe_action
@@ -43,6 +43,8 @@ from gems.pipeline.p2p import PREFETCH, Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
+from gems.pipeline.tiled import (NoMessages, check_spatial, member_actions, member_policy, sync_parts,
+                                 tile_groups, tiled_stage)
 from gems.pipeline.topology import Topology
 
 
@@ -81,6 +83,7 @@ class Engine:
                  timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
         check_mode(batch_norm)
+        check_spatial(plan, batch_norm)
         if not isinstance(model, GraphUnits):   # any nn.Module: the plan's chain of units
             model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
         if plan.cuts[-1] != len(model) or getattr(model, "unit_names", plan.unit_names) != plan.unit_names:
@@ -96,38 +99,46 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
-        self.K, self.m, self.topology = plan.stages, plan.micro_batches, Topology(comm.size, plan.stages, plan.schedule)
-        self.group, self.position = self.topology.coords(comm.rank)
+        self.K, self.m = plan.stages, plan.micro_batches
+        self.topology = Topology(comm.size, plan.stages, plan.schedule, plan.tiles)
+        self.group, self.position, self.tile = self.topology.place(comm.rank)   # tile > 0: a tile group's member
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
         lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)
-        self.actions = lists[self.position]
+        tiles = tile_groups(comm, self.topology, plan.spatial_grid)   # gems.pipeline.tiled
+        self.actions = member_actions(lists[self.position]) if self.tile else lists[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         graph = isinstance(model, GraphUnits)
         model_keys = model.model_keys if graph else list(model.state_dict())
         key, extras = (model.model_key, model.extras) if graph else (str, {})
         self.stages: dict[int, nn.Sequential] = {
-            s: model[plan.cuts[s]:plan.cuts[s + 1]].to(self.device) for s in self.topology.holds(self.position)}
+            s: model[plan.cuts[s]:plan.cuts[s + 1]] for s in self.topology.stages_of(comm.rank)}
+        policies = {s: plan.policies[s] for s in self.stages}
+        if tiles is not None and 0 in self.stages:
+            self.stages[0] = tiled_stage(self.stages[0], plan, tiles, batches.rows_per_micro)
+            policies[0] = member_policy(policies[0], plan.spatial_end) if self.tile else policies[0]
+        self.stages = {s: module.to(self.device) for s, module in self.stages.items()}
         # One pool of host buffers for all the stages this rank offloads, bounded by what the
         # plan prices it at (gems.partition.costs.host_moments).
         self.host_pool = HostPool(plan.host_bytes[self.position] if plan.host_bytes else None,
                                   pin=self.device.type == "cuda")
         self._forwards: dict[int, Forwards] = {}   # batch size -> forward-only steps
-        runners = {s: StageRunner(module, plan.cuts[s], plan.policies[s], self.device, self.host_pool)
+        runners = {s: StageRunner(module, plan.cuts[s], policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
-        self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm)
+        self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm,
+                              sync_parts(self.topology, comm.rank, self.stages, plan.spatial_end))
         self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
         self.grads.keep_grads_in_bucket(self.optimizer)
-        messenger = Messenger(comm, self.topology, lists, self.position, routes, batches.rows_per_micro,
-                              self.device, prefetch)
+        messenger = NoMessages(self.position) if self.tile else Messenger(
+            comm, self.topology, lists, self.position, routes, batches.rows_per_micro, self.device, prefetch)
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
         # (replica, micro) of the micro-batches whose loss this rank computes (their normalisers)
         self._losses_here = [(a.replica, a.micro) for a in self.actions
-                             if a.op == sch.FORWARD and a.stage == self.K - 1]
+                             if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
-                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer)
-        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0, model_keys, key, extras,
-                                 self.grads.group_comm if plan.shard_optimizer else None)
+                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile))
+        self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
+                                 key, extras, self.grads.group_comm if plan.shard_optimizer else None)
 
     @property
     def needs_images(self) -> bool:
@@ -137,7 +148,7 @@ class Engine:
     @property
     def needs_labels(self) -> bool:
         """Whether this rank runs a last stage (and so reads labels)."""
-        return self.K - 1 in self.stages
+        return self.K - 1 in self.stages and not self.tile
 
     @property
     def runners(self) -> dict[int, StageRunner]:
@@ -206,7 +217,7 @@ class Engine:
         if size not in self._forwards:
             self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self.position, self.group,
                                             self.executor.runners, size, self.device, self.autocast,
-                                            self.prefetch)
+                                            self.prefetch, bool(self.tile))
         return self._forwards[size]
 
     def evaluate(self, batches: Iterable, scores=None, batch_size: int | None = None) -> dict:
@@ -246,40 +257,12 @@ class Engine:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         try:
             forwards.run(images, lambda r, j, rows, out: outputs.__setitem__((r, j), out))
-            return self._gather_outputs(outputs, forwards.batches)
+            if self.tile:   # a tile group's member: the leader has the outputs
+                return None
+            return gather_outputs(self.comm, self.topology, self.plan, self.position, outputs, forwards.batches,
+                                  self.device)
         except Exception as exc:  # noqa: BLE001 - peers are mid-step
             self._fail(exc, forwards.current)
-
-    def _gather_outputs(self, outputs: dict[tuple[int, int], torch.Tensor],
-                        batches: MicroBatches) -> torch.Tensor | None:
-        """Position 0 receives the outputs position K-1 computed and assembles the group's rows."""
-        last = self.K - 1
-        dtype = getattr(torch, self.plan.stage_output_dtypes[last][0])
-        tag = lambda r, j: 4 * self.m + r * self.m + j   # noqa: E731 - above every step tag (ir.Message.tag)
-        if self.position == last and self.position != 0:
-            to = self.topology.peer(self.comm.rank, 0)
-            requests = [self.comm.isend((out.to(dtype).contiguous(),), to, tag(r, j))
-                        for (r, j), out in sorted(outputs.items())]
-            for req in requests:
-                self.comm.wait(req, "sending outputs to position 0")
-            return None
-        if self.position != 0:
-            return None
-        shape = self.plan.stage_output_shapes[last][0]
-        result = torch.empty((batches.rows_per_micro * batches.m * sch.replicas(self.plan.schedule), *shape),
-                             dtype=dtype, device=self.device)
-        pending = []
-        for r in range(sch.replicas(self.plan.schedule)):
-            for j in range(self.m):
-                rows = batches.rows(r, j)
-                if (r, j) in outputs:
-                    result[rows] = outputs[(r, j)]
-                else:
-                    pending.append(self.comm.irecv((result[rows],), self.topology.peer(self.comm.rank, last),
-                                                   tag(r, j)))
-        for req in pending:
-            self.comm.wait(req, f"outputs from position {last}")
-        return result
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's actions as (label, start, end) seconds from the step's start

@@ -39,8 +39,11 @@ class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
                  grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, member: bool = False) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
+        # a tile group's member (gems.pipeline.tiled): its stage-0 outputs are placeholders whose
+        # backward waits for the tiles' gradients from the leader; it computes no loss
+        self.member = member
         self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
@@ -109,7 +112,7 @@ class Executor:
             given = tuple(t.clone() if i in runner.inplace_inputs else t for i, t in enumerate(inputs))
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = runner.forward(given, key, key in self.waiting)
-        if a.stage == self.last_stage:
+        if a.stage == self.last_stage and not self.member:
             labels = self._labels[rows].to(self.device, non_blocking=True)
             terms = self.loss_fn(unpack(out), labels)
             loss = scaled(terms, self.inverse)
@@ -119,7 +122,7 @@ class Executor:
 
     def _seeds(self, a: ir.Action, out: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors a backward starts from and their gradients (None: the scalar loss)."""
-        if a.stage == self.last_stage:
+        if a.stage == self.last_stage or self.member:
             return list(out), None
         pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, _key(a))))
         return [o for o, _ in pairs], [g for _, g in pairs]

@@ -23,6 +23,7 @@ from gems.pipeline.batches import MicroBatches
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner, unpack
+from gems.pipeline.tiled import NoMessages, member_actions
 from gems.pipeline.topology import Topology
 
 # sink(replica, micro, rows of the group's shard, output of the last stage)
@@ -34,16 +35,17 @@ class Forwards:
 
     def __init__(self, comm, topology: Topology, plan, position: int, group: int,
                  runners: dict[int, StageRunner], batch_size: int, device: torch.device,
-                 autocast: torch.dtype | None, prefetch: int) -> None:
+                 autocast: torch.dtype | None, prefetch: int, member: bool = False) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips)
-        self.actions = lists[position]
+        self.member = member   # a tile group's member: stage 0's tiled forwards only (gems.pipeline.tiled)
+        self.actions = member_actions(lists[position]) if member else lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
-        self.messenger = Messenger(comm, topology, lists, position, self.routes, self.batches.rows_per_micro,
-                                   device, prefetch)
+        self.messenger = NoMessages(position) if member else Messenger(
+            comm, topology, lists, position, self.routes, self.batches.rows_per_micro, device, prefetch)
         self._sends: dict[tuple[int, int, int], int] = {}   # key -> sends of its output in a step
         for a in self.actions:
             if a.op == ir.SEND_ACT:
@@ -81,6 +83,8 @@ class Forwards:
                               else self.routes.assemble(a.stage, inbox.pop(key), self.device))
                     with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
                         out = self.runners[a.stage].forward(inputs, key, waiting=False)
+                    if self.member:
+                        continue
                     if a.stage == self.last_stage:
                         sink(a.replica, a.micro, rows, unpack(out))
                     else:
@@ -91,3 +95,34 @@ class Forwards:
             for module, flags in zip(modules, modes):
                 for m, flag in zip(module.modules(), flags):
                     m.training = flag
+
+
+def gather_outputs(comm, topology: Topology, plan, position: int, outputs: dict[tuple[int, int], torch.Tensor],
+                   batches: MicroBatches, device: torch.device) -> torch.Tensor | None:
+    """Position 0 receives the outputs position K-1 computed and assembles the group's rows
+    (``Engine.predict``); None on every other position."""
+    last, m = plan.stages - 1, plan.micro_batches
+    dtype = getattr(torch, plan.stage_output_dtypes[last][0])
+    tag = lambda r, j: 4 * m + r * m + j   # noqa: E731 - above every step tag (ir.Message.tag)
+    if position == last and position != 0:
+        to = topology.peer(comm.rank, 0)
+        requests = [comm.isend((out.to(dtype).contiguous(),), to, tag(r, j)) for (r, j), out in sorted(outputs.items())]
+        for req in requests:
+            comm.wait(req, "sending outputs to position 0")
+        return None
+    if position != 0:
+        return None
+    shape = plan.stage_output_shapes[last][0]
+    replicas = sch.replicas(plan.schedule)
+    result = torch.empty((batches.rows_per_micro * batches.m * replicas, *shape), dtype=dtype, device=device)
+    pending = []
+    for r in range(replicas):
+        for j in range(m):
+            rows = batches.rows(r, j)
+            if (r, j) in outputs:
+                result[rows] = outputs[(r, j)]
+            else:
+                pending.append(comm.irecv((result[rows],), topology.peer(comm.rank, last), tag(r, j)))
+    for req in pending:
+        comm.wait(req, f"outputs from position {last}")
+    return result

@@ -1,8 +1,8 @@
 """Gradient sync of one rank: the flat bucket, BatchNorm statistics, clipping, non-finite skip.
 
-One flat bucket per rank, one segment per stage it holds, each summed over the rank's sync group
-(the mirror group under ``mast``, the same position across groups otherwise;
-``Topology.sync_group``) by a non-blocking allreduce that the schedule's ``reduce`` action starts
+One flat bucket per rank, one segment per stage it holds, each summed over the stage's sync group
+(the mirror group under ``mast``, the same position across groups otherwise, with every tile of
+a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the schedule's ``reduce`` action starts
 as soon as the stage's last backward on this rank is done (``start``), so it overlaps the
 backward of the rank's other stage; ``sync`` waits for them. A segment holds the stage's
 gradients -- ``param.grad`` are views of it, so backward accumulates straight into it -- then a
@@ -39,17 +39,28 @@ class GradSync:
     BatchNorm layers under ``batch_norm`` (a ``gems.pipeline.batchnorm.MODES`` name)."""
 
     def __init__(self, comm, topology: Topology, stages: dict[int, nn.Module], device: torch.device,
-                 clip_grad_norm: float | None, batch_norm: str = "micro-batch") -> None:
+                 clip_grad_norm: float | None, batch_norm: str = "micro-batch",
+                 parts: dict[int, list[tuple[nn.Module, list[int]]]] | None = None) -> None:
         self.comm, self.topology, self.stages = comm, topology, stages
-        self.group, self.position = topology.coords(comm.rank)
+        self.group, self.position, tile = topology.place(comm.rank)
+        self.counts_norm = self.group == 0 and tile == 0   # counts its position's stage in the global norm
         self.clip_grad_norm = clip_grad_norm
-        self.group_comm = self._sync_group()
+        # per stage, each part synced on its own: (module, ranks of its sync group); by default the whole
+        # stage over its holders. A tiled stage 0's leader syncs its untiled rest over the leaders alone.
+        parts = parts or {s: [(m, topology.holders(s))] for s, m in stages.items()}
+        made = {tuple(ranks): self.comm.group(ranks) for ranks in topology.sync_groups()}   # collective, one order
+        self._parts = {(s, i): (module, made[tuple(ranks)] if len(ranks) > 1 else None, ranks[0])
+                       for s in sorted(parts) for i, (module, ranks) in enumerate(parts[s])}
+        mine = {id(g) for _, g, _ in self._parts.values()}
+        # the one group all this rank's stages sync with (sharded optimizer, deferred BatchNorm); None if
+        # they sync with nobody, or with different groups (a tile group's leader: neither is offered there)
+        self.group_comm = next(iter(self._parts.values()))[1] if len(mine) == 1 else None
         self._make_identical()
         self.batch_norms = BatchNorms(stages.values(), batch_norm, device)
         kept = {id(b) for b in self.batch_norms.kept_buffers}
-        params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in sorted(stages.items())}
-        stats = {s: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
-                 for s, m in sorted(stages.items())}
+        params = {k: [p for p in m.parameters() if p.requires_grad] for k, (m, _, _) in self._parts.items()}
+        stats = {k: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
+                 for k, (m, _, _) in self._parts.items()}
         self._stats_buffers = [b for bs in stats.values() for b in bs]
         self._counters = [b for s in stages.values() for b in s.buffers() if not b.is_floating_point()]
         dtypes = {t.dtype for ps in params.values() for t in ps} | {b.dtype for b in self._stats_buffers}
@@ -59,13 +70,14 @@ class GradSync:
         dtype = dtypes.pop() if dtypes else torch.float32
         sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
         self.bucket = torch.zeros(sum(g + n for g, n in sizes.values()), dtype=dtype, device=device)
-        # per stage: (its segment, its gradients, its statistics' copy, the statistics buffers)
-        self._segments: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+        # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
+        self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
         # for backward, and a view of the bucket would share its version counter with the
         # gradients being accumulated, failing autograd's in-place check.
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self._stage_params = params   # per stage, in bucket order
+        self._stage_params = {s: [p for (t, _), ps in params.items() if t == s for p in ps]
+                              for s in stages}   # per stage, in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
             segment = self.bucket[offset:offset + n_grad + n_stats]
@@ -85,24 +97,13 @@ class GradSync:
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
 
-    def _sync_group(self):
-        """This rank's sync group, or None when it syncs with nobody."""
-        mine = None
-        for ranks in self.topology.sync_groups():  # collective: same order on every rank
-            g = self.comm.group(ranks)
-            if self.comm.rank in ranks:
-                mine = g
-        return mine if len(self.topology.sync_group(self.comm.rank)) > 1 else None
-
     def _make_identical(self) -> None:
-        """Start every copy of a stage from the sync group's first rank's values."""
-        if self.group_comm is None:
-            return
-        root = self.topology.sync_group(self.comm.rank)[0]
+        """Start every copy of a stage from its sync group's first rank's values."""
         with torch.no_grad():
-            for s in self.stages.values():
-                for t in list(s.parameters()) + list(s.buffers()):
-                    self.comm.broadcast(t.data, root, self.group_comm)
+            for module, group, root in self._parts.values():   # blocking, over several groups: one order
+                if group is not None:
+                    for t in list(module.parameters()) + list(module.buffers()):
+                        self.comm.broadcast(t.data, root, group)
 
     def optimized(self, shard: bool) -> list[nn.Parameter]:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
@@ -178,34 +179,36 @@ class GradSync:
     def start(self, stage: int) -> None:
         """Start summing ``stage``'s segment over the sync group (its backward is complete here).
         COLLECTIVE over the sync group, in the schedule's order of reduces."""
-        if self.group_comm is not None:
-            self._reduces.append((stage, self._issue(stage) if self._overlap else None))
+        for key, (_, group, _) in self._parts.items():
+            if key[0] == stage and group is not None:
+                self._reduces.append((key, self._issue(key) if self._overlap else None))
 
-    def _issue(self, stage: int):
-        segment, _, copy, buffers = self._segments[stage]
+    def _issue(self, key: tuple[int, int]):
+        segment, _, copy, buffers = self._segments[key]
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
-        return self.comm.iallreduce(segment, self.group_comm)
+        return self.comm.iallreduce(segment, self._parts[key][1])
 
     def sync(self, loss: torch.Tensor) -> float:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
-        if self.group_comm is not None:
+        synced = sorted(k for k, (_, g, _) in self._parts.items() if g is not None)
+        if synced:
             reduces, self._reduces = self._reduces, []
-            if sorted(s for s, _ in reduces) != sorted(self._segments):   # the schedule's contract
-                raise RuntimeError(f"reduces of stages {[s for s, _ in reduces]} for {sorted(self._segments)}")
-            reduces = [(s, self._issue(s) if req is None else req) for s, req in reduces]
-            for stage, req in reduces:
-                self.comm.wait(req, f"the gradient allreduce of stage {stage}")
-                _, _, copy, buffers = self._segments[stage]
+            if sorted(k for k, _ in reduces) != synced:   # the schedule's contract
+                raise RuntimeError(f"reduces of {[k for k, _ in reduces]} for {synced}")
+            reduces = [(k, self._issue(k) if req is None else req) for k, req in reduces]
+            for key, req in reduces:
+                self.comm.wait(req, f"the gradient allreduce of stage {key[0]}")
+                _, _, copy, buffers = self._segments[key]
                 if buffers:
-                    copy /= self.group_comm.size
+                    copy /= self._parts[key][1].size
                     self._scatter(copy, buffers)
         self.batch_norms.sync(self.comm, self.group_comm)
         self._scalars[0] = loss.reshape(())
         self._scalars[1] = 0.0
-        if self.clip_grad_norm is not None and self.group == 0:
+        if self.clip_grad_norm is not None and self.counts_norm:
             own = [p.grad.double().pow(2).sum() for p in self.stages[self.position].parameters()
                    if p.grad is not None]
             if own:

@@ -163,7 +163,7 @@ def save(engine, directory: str | os.PathLike, step: int, meta: dict, keep: int 
     shard = engine.stage_state(engine.position) if engine.plan.shard_optimizer else None
 
     def write_files() -> None:
-        if engine.group == 0:
+        if engine.group == 0 and not engine.tile:   # a tile group's members hold copies of the leader's
             name = f"stage-{engine.position}.pt"
             state = shard if shard is not None else engine.stage_state(engine.position)
             _write_atomic(path / name, lambda f: torch.save(state, f))

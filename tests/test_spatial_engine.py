@@ -1,0 +1,115 @@
+"""Plans with a spatial part train exactly as one process (gems.pipeline.tiled, gems.spatial).
+
+In process (loopback ranks): a GroupNorm CNN with a 5x5 stride-2 stem, max pooling and residual
+blocks, at sides that are not powers of two, 3 SGD steps; the model's state after them must
+equal one process training on the same global batches (1e-5 relative). Layouts: spatial only
+(K = 1, P = 2 and 4, strips and a 2x2 grid), spatial + mast (P = 2, K = 2: 4 ranks), spatial with
+data parallelism, and a prefix tiled with the rest of stage 0 on the leader.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gems
+from gems import partition
+from gems.comm import loopback
+from gems.graph import graph_units
+from gems.pipeline.topology import ranks_per_group
+from spatial_models import GroupNormNet
+
+pytestmark = pytest.mark.timeout(180)
+CLASSES = 5
+
+
+def _data(batch: int, side: int, step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(batch, 3, side, side, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _reference(batch: int, side: int, steps: int):
+    torch.manual_seed(0)
+    model = GroupNormNet(CLASSES)
+    opt = _optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = _data(batch, side, step)
+        opt.zero_grad()
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False):
+    torch.manual_seed(0)
+    model = GroupNormNet(CLASSES)
+    plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
+                          split_backward=split)
+    plan.spatial_grid = list(grid)
+    plan.spatial_end = plan.cuts[1] if end is None else end
+    plan.check()
+    return model, plan
+
+
+def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
+           split: bool = False):
+    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split)
+    world = ranks_per_group(K, schedule, grid[0] * grid[1]) * groups
+    micro = plan.micro_batch_size
+    copies = []
+    for _ in range(world):   # traced here, in the main thread (fx patches nn.Module while tracing)
+        m = copy.deepcopy(model)
+        copies.append(graph_units(m, (3, side, side), micro))
+
+    def rank(comm):
+        engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
+                             loss_fn=nn.CrossEntropyLoss(), comm=comm)
+        losses = []
+        for step in range(steps):
+            x, y = _data(batch, side, step)
+            losses.append(engine.step(x, y))
+        return engine.state_dict(), losses
+
+    return loopback.run(world, rank, semantics="nccl", timeout=60.0)
+
+
+def _check(results, batch: int, side: int, steps: int = 3):
+    ref_state, ref_losses = _reference(batch, side, steps)
+    state, losses = results[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-6 * v.abs().max().item()), k
+    for other, other_losses in results[1:]:
+        assert other_losses == losses
+
+
+@pytest.mark.parametrize("grid", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_spatial_only_equals_one_process(grid):
+    """K = 1: the whole model on one tile group (the pooling sums the tiles)."""
+    _check(_train(36, 2, 1, "mp", grid), 2, 36)
+
+
+def test_spatial_prefix_then_leader():
+    """The conv trunk tiled, gathered on the leader before the pooled head."""
+    units = graph_units(GroupNormNet(CLASSES), (3, 100, 100), 2).unit_names
+    end = next(i for i, n in enumerate(units) if "adaptive" in n)
+    _check(_train(100, 2, 1, "mp", (2, 1), end=end), 2, 100)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_spatial_with_mast(split):
+    """P = 2, K = 2 under mast: both end positions are tile groups (4 ranks)."""
+    _check(_train(36, 4, 2, "mast", (2, 1), split=split), 4, 36)
+
+
+def test_spatial_with_data_parallelism():
+    _check(_train(36, 4, 1, "mp", (2, 1), groups=2), 4, 36)
