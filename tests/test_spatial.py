@@ -16,7 +16,7 @@ from torch import nn
 from gems.comm import loopback
 from gems.errors import GemsError
 from gems.graph import graph_units
-from gems.spatial import TileGroup, tile_stage
+from gems.spatial import TileGroup, flatten, tile_stage
 from gems.spatial.geometry import parts, transposed_need, window_need
 from spatial_models import Everything, GroupNormNet
 
@@ -43,6 +43,8 @@ def _tiled_run(make, size: tuple[int, int], grid: tuple[int, int], end: int | No
         torch.manual_seed(1)
         net = make()
         copies.append((net, graph_units(net, (3, *size), batch)))
+        for unit in copies[-1][1]:
+            flatten(unit)
     end = len(units) if end is None else end
 
     def rank(comm):

@@ -18,6 +18,7 @@ import gems
 from gems import partition
 from gems.comm import loopback
 from gems.graph import graph_units
+from gems.spatial import flatten
 from gems.pipeline.topology import ranks_per_group
 from spatial_models import GroupNormNet
 
@@ -69,6 +70,8 @@ def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups:
     for _ in range(world):   # traced here, in the main thread (fx patches nn.Module while tracing)
         m = copy.deepcopy(model)
         copies.append(graph_units(m, (3, side, side), micro))
+        for unit in copies[-1]:
+            flatten(unit)
 
     def rank(comm):
         engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,

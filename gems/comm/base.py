@@ -52,6 +52,14 @@ class Backoff:
 
     first: float = 50e-6
     longest: float = 2e-3
+    spin: float = 0.0   # seconds of polling without sleep before the first sleep
+
+    def spinning(self, seconds: float) -> Backoff:
+        """This back-off polling ``seconds`` without sleep first: for waits that are short when the
+        ranks keep pace (a tile's halo between two layers), where even the first sleep would cost
+        more than the wait (measured: 64-float allreduces between 2 ranks, 2.5 ms each with the
+        default sleeps, 4 us polling)."""
+        return Backoff(self.first, self.longest, seconds)
 
 
 def seconds(t: float) -> str:
@@ -67,6 +75,9 @@ def poll_until(done: Callable[[], bool], timeout: float, backoff: Backoff,
     if done():
         return
     start = time.monotonic()
+    while backoff.spin and time.monotonic() - start < backoff.spin:
+        if done():
+            return
     delay = backoff.first
     while not done():
         elapsed = time.monotonic() - start
@@ -309,9 +320,10 @@ class Comm:
         raise NotImplementedError
 
     # -- shared behaviour --------------------------------------------------------------------
-    def wait(self, req: Request, what: str) -> None:
-        """Return when ``req`` completes; CommTimeout naming ``what`` and the peer after ``timeout``."""
-        poll_until(req.poll, self.timeout, self.backoff,
+    def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
+        """Return when ``req`` completes; CommTimeout naming ``what`` and the peer after ``timeout``.
+        ``backoff``: this wait's sleeps (default the communicator's)."""
+        poll_until(req.poll, self.timeout, backoff or self.backoff,
                    lambda t: f"rank {self.rank} waited {seconds(t)}s for {what} ({req.describe}); "
                              f"that rank failed or hangs, or the ranks disagree on the schedule "
                              f"(the timeout is {self.timeout:g}s)")
@@ -320,9 +332,9 @@ class Comm:
         """Make progress on ``req`` without blocking; True once it has completed."""
         return req.poll()
 
-    def allreduce(self, tensor: Tensor, group: Group | None, what: str) -> None:
+    def allreduce(self, tensor: Tensor, group: Group | None, what: str, backoff: Backoff | None = None) -> None:
         """Sum ``tensor`` in place over ``group`` (None: the world), waiting through the polling loop."""
-        self.wait(self.iallreduce(tensor, group), what)
+        self.wait(self.iallreduce(tensor, group), what, backoff)
 
     def broadcast(self, tensor: Tensor, root: int, group: Group | None = None) -> None:
         """Overwrite ``tensor`` with world rank ``root``'s copy, on every rank of ``group``."""

@@ -298,8 +298,10 @@ class LoopbackComm(Comm):
         return self._collective(("barrier",), None, None, None, lambda inputs: None, None)
 
     # -- waiting and failing -------------------------------------------------------------------
-    def wait(self, req: Request, what: str) -> None:
-        """As ``Comm.wait``; also raises Deadlock or PeerFailed as soon as the world shows either."""
+    def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
+        """As ``Comm.wait``; also raises Deadlock or PeerFailed as soon as the world shows either.
+        Never spins (``backoff`` is ignored): the ranks are threads, and a spinning one would take
+        the interpreter from the others."""
         w = self._world
 
         def done() -> bool:

@@ -10,7 +10,7 @@ tile group, halo fetch, group sums, gather: autograd functions with exact backwa
 (layers on tiles), ``unit`` (which values are tiled; a unit's graph on tiles; what cannot be
 tiled), ``stage`` (a stage's tiled prefix).
 """
-from gems.spatial.stage import TiledUnit, check_grid, tile_stage
+from gems.spatial.stage import TiledUnit, check_grid, flatten, tile_stage
 from gems.spatial.tiles import TileGroup
 
-__all__ = ["TileGroup", "TiledUnit", "tile_stage", "check_grid"]
+__all__ = ["TileGroup", "TiledUnit", "tile_stage", "check_grid", "flatten"]

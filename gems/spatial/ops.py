@@ -31,14 +31,20 @@ def _count(tiles: TileGroup, dim: int) -> int:
 
 
 def windowed(x: torch.Tensor, tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo,
-             dilation=(1, 1), fill: float = 0.0) -> torch.Tensor:
-    """``x`` extended by the halo a sliding window needs for this tile's output rows and columns."""
+             dilation=(1, 1), fill: float = 0.0, symmetric: bool = True) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``x`` extended by the halo a sliding window needs for this tile's output rows and columns,
+    and the padding the window still applies itself: along an axis the grid does not cut, a
+    ``symmetric`` padding stays the layer's own (no copy); along a cut one the halo replaces it."""
+    pads = [0, 0]
     for axis, dim in enumerate(DIMS):
-        outs = parts(size_out[axis], _count(tiles, dim))
         k, s, p, d = kernel[axis], stride[axis], pad_lo[axis], dilation[axis]
+        if _count(tiles, dim) == 1 and symmetric:
+            pads[axis] = p
+            continue
+        outs = parts(size_out[axis], _count(tiles, dim))
         x = fetch(x, tiles, dim, size_in[axis],
                   lambda i, own, outs=outs, k=k, s=s, p=p, d=d: window_need(outs[i], k, s, p, d), fill)
-    return x
+    return x, tuple(pads)
 
 
 def conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int]:
@@ -53,8 +59,9 @@ def conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) ->
 def conv2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     kernel, stride, dilation = tuple(weight.shape[2:]), _pair(stride), _pair(dilation)
     pad = conv_padding(padding, kernel, dilation)
-    x = windowed(x, tiles, size_in, size_out, kernel, stride, pad, dilation)
-    return F.conv2d(x, weight, bias, stride, 0, dilation, groups)
+    symmetric = not isinstance(padding, str) or all(d * (k - 1) % 2 == 0 for k, d in zip(kernel, dilation))
+    x, own = windowed(x, tiles, size_in, size_out, kernel, stride, pad, dilation, symmetric=symmetric)
+    return F.conv2d(x, weight, bias, stride, own, dilation, groups)
 
 
 def conv_transpose2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, output_padding=0,
@@ -90,8 +97,9 @@ def max_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0,
                ceil_mode=False, return_indices=False):
     kernel = _pair(kernel_size)
     stride = _pair(stride) if stride not in (None, []) else kernel
-    x = windowed(x, tiles, size_in, size_out, kernel, stride, _pair(padding), _pair(dilation), -math.inf)
-    return F.max_pool2d(x, kernel, stride, 0, _pair(dilation))
+    x, own = windowed(x, tiles, size_in, size_out, kernel, stride, _pair(padding), _pair(dilation), -math.inf,
+                      symmetric=not ceil_mode)
+    return F.max_pool2d(x, kernel, stride, own, _pair(dilation))
 
 
 def avg_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0, ceil_mode=False,
@@ -99,7 +107,7 @@ def avg_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0,
     kernel = _pair(kernel_size)
     stride = _pair(stride) if stride not in (None, []) else kernel
     pad = _pair(padding)
-    region = windowed(x, tiles, size_in, size_out, kernel, stride, pad)
+    region, _ = windowed(x, tiles, size_in, size_out, kernel, stride, pad, symmetric=False)
     total = F.avg_pool2d(region, kernel, stride, 0, divisor_override=1)
     if divisor_override:
         return total / divisor_override

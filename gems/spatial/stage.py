@@ -14,6 +14,7 @@ leader keeps), and only the leader runs the units after it.
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Sequence
 
@@ -21,6 +22,7 @@ import torch
 from torch import fx, nn
 
 from gems.errors import GemsError
+from gems.graph.trace import TRACING
 from gems.spatial.tiles import TileGroup, gather
 from gems.spatial.unit import Node, analyse, record_sizes
 
@@ -30,10 +32,10 @@ class TiledUnit(nn.Module):
     tiled inputs; ``gathers``: for the spatial part's last unit, per output the global (H, W) it
     is gathered at, None for a replicated one."""
 
-    def __init__(self, unit: fx.GraphModule, tiles: TileGroup, plan: dict[fx.Node, Node], first: bool,
-                 gathers: list[tuple[int, int] | None] | None) -> None:
+    def __init__(self, unit: nn.Module, flat: fx.GraphModule, tiles: TileGroup, plan: dict[fx.Node, Node],
+                 first: bool, gathers: list[tuple[int, int] | None] | None) -> None:
         super().__init__()
-        object.__setattr__(self, "unit", unit)   # not a child: its modules are ours (same keys)
+        object.__setattr__(self, "flat", flat)   # not a child: its modules are ours (same keys)
         self._modules, self._parameters, self._buffers = unit._modules, unit._parameters, unit._buffers
         self.meta = unit.meta
         self.tiles, self.plan, self.first, self.gathers = tiles, plan, first, gathers
@@ -41,7 +43,7 @@ class TiledUnit(nn.Module):
     def forward(self, x):
         if self.first:
             x = self.tiles.tile(x)
-        out = _Tiled(self.unit, self).run(x)
+        out = _Tiled(self.flat, self).run(x)
         if self.gathers is None:
             return out
         outs = out if isinstance(out, tuple) else (out,)
@@ -78,21 +80,36 @@ def tile_stage(stage: nn.Sequential, first: int, end: int, names: Sequence[str],
     spatial = units[:end - first]
     if first != 0:
         raise GemsError("the spatial part of a plan starts at the image: tile the first stage")
-    sizes = record_sizes(spatial, torch.Size(image))
+    flats = [flatten(unit) for unit in spatial]
+    sizes = record_sizes(flats, torch.Size(image))
     tiled_in, made = [True], []
-    for k, (unit, shapes) in enumerate(zip(spatial, sizes)):
-        plan, tiled_out = analyse(unit, names[first + k], shapes, tiled_in)
+    for k, (unit, flat, shapes) in enumerate(zip(spatial, flats, sizes)):
+        plan, tiled_out = analyse(flat, names[first + k], shapes, tiled_in)
         check_grid([node.size_out for node in plan.values() if node.tiled] + [tuple(image[2:])], names[first + k],
                    tiles.grid)
         gathers = None
         if k == len(spatial) - 1:
-            out = next(n for n in unit.graph.nodes if n.op == "output").args[0]
+            out = next(n for n in flat.graph.nodes if n.op == "output").args[0]
             outs = out if isinstance(out, (tuple, list)) else (out,)
             gathers = [tuple(shapes[o][2:]) if tiled else None for o, tiled in zip(outs, tiled_out)]
-        made.append(TiledUnit(unit, tiles, plan, first=k == 0, gathers=gathers))
+        made.append(TiledUnit(unit, flat, tiles, plan, first=k == 0, gathers=gathers))
         tiled_in = tiled_out
     kept = made + (units[end - first:] if tiles.leader else [])
     return nn.Sequential(OrderedDict(zip(keys, kept)))
+
+
+_FLAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def flatten(unit: nn.Module) -> fx.GraphModule:
+    """``unit`` traced down to torch.nn's own layers (a zoo model's unit is a whole block or an
+    ``nn.Sequential``), its modules shared: what ``analyse`` and ``TiledUnit`` go through. Kept per
+    unit: fx patches nn.Module process-wide while it traces, so a caller running ranks as threads
+    flattens the units first, in one thread."""
+    if unit not in _FLAT:
+        with TRACING:
+            _FLAT[unit] = fx.GraphModule(unit, fx.Tracer().trace(unit))
+    return _FLAT[unit]
 
 
 def check_grid(sizes: list[tuple[int, int]], name: str, grid: tuple[int, int]) -> None:

@@ -26,6 +26,9 @@ from gems.comm import P2POp
 from gems.spatial.geometry import Range, intersect, parts
 
 TILE_TAG = 1_000_000   # above every pipeline message tag (gems.pipeline.ir.Message.tag), under MPICH's bound
+# Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
+# the communicator's back-off sleeps begin (gems.comm.base.Backoff.spinning).
+SPIN_SECONDS = 2e-3
 
 
 @dataclass(eq=False)
@@ -78,7 +81,11 @@ class TileGroup:
         ops = [P2POp("send", (t.contiguous(),), peer, TILE_TAG) for peer, t in sends]
         ops += [P2POp("recv", (t,), peer, TILE_TAG) for peer, t in recvs]
         for req in self.comm.ibatch(ops):
-            self.comm.wait(req, what)
+            self.comm.wait(req, what, self.backoff)
+
+    @property
+    def backoff(self):
+        return self.comm.backoff.spinning(SPIN_SECONDS)
 
 
 def _slice(t: torch.Tensor, dim: int, rng: Range, base: int) -> torch.Tensor:
@@ -157,13 +164,13 @@ class _AllReduce(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
         ctx.tiles = tiles
         out = x.clone().contiguous()
-        tiles.comm.allreduce(out, tiles.group, "a tile group's sum")
+        tiles.comm.allreduce(out, tiles.group, "a tile group's sum", tiles.backoff)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.clone().contiguous()
-        ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum")
+        ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum", ctx.tiles.backoff)
         return out, None
 
 
