@@ -57,8 +57,10 @@ def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size) -> list[dic
     try:
         for u in units:
             u.eval()
+        # the units' own device: a model built on the meta device (the planner's) is sized there
+        device = next((p.device for u in units for p in u.parameters()), torch.device("cpu"))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            x = mode.from_tensor(torch.empty(image))
+            x = mode.from_tensor(torch.empty(image, device=device))
             for u in units:
                 shapes: dict[fx.Node, tuple] = {}
                 x = _Recorder(u, shapes).run(x)

@@ -1,0 +1,127 @@
+"""How far a model's spatial part can reach, and what its layers exchange: ``gems.spatial.unit``'s
+analysis seen from the planner, without running anything (one fake pass, ``record_sizes``).
+
+    reach = spatial_limit(units, names, (2, 3, 16384, 16384))
+    reach.end, reach.reason   # units [0, end) can be tiled; why no further (None: all units can)
+    reach.windows             # the sliding windows (convolutions, pooling) of those units
+
+The spatial part ends before the first unit that ``analyse`` refuses (its sentence is the
+reason), and after the first unit that leaves nothing tiled (a global pooling: what follows runs
+on one value, so tiling it saves nothing). A grid is only as fine as the smallest tiled
+activation allows (``gems.spatial.stage.check_grid``): ``end_for`` shortens the reach for one.
+Windows called as functions (``F.conv2d``) are tiled by the runtime but not listed here, so the
+planner prices them without their halo.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import fx, nn
+
+from gems.errors import GemsError
+from gems.spatial.geometry import halo
+from gems.spatial.ops import _pair, conv_padding
+from gems.spatial.stage import check_grid
+from gems.spatial.unit import analyse, record_sizes
+
+HW = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One tiled sliding-window layer of unit ``unit``: global input and output (H, W), its
+    geometry per axis, and its input's (batch, channels)."""
+
+    unit: int
+    size_in: HW
+    size_out: HW
+    kernel: HW
+    stride: HW
+    pad: HW
+    dilation: HW
+    batch: int
+    channels: int
+
+    def halos(self, grid: HW) -> HW:
+        """The most rows and columns any tile of this layer's input fetches beyond its own."""
+        return tuple(halo(self.size_in[a], grid[a], self.size_out[a], self.kernel[a], self.stride[a], self.pad[a],
+                          self.dilation[a]) if grid[a] > 1 else 0 for a in (0, 1))
+
+    def fetched(self, grid: HW) -> int:
+        """Elements one rank fetches at most: its tile extended by the halo, less the tile."""
+        (hr, hc), (tr, tc) = self.halos(grid), (math.ceil(self.size_in[0] / grid[0]),
+                                                math.ceil(self.size_in[1] / grid[1]))
+        return self.batch * self.channels * ((tr + hr) * (tc + hc) - tr * tc)
+
+    def traffic(self, grid: HW) -> int:
+        """Elements the whole grid exchanges: halo rows x image width per border between rows of
+        tiles, and halo columns x height per border between columns."""
+        (hr, hc), (H, W) = self.halos(grid), self.size_in
+        return self.batch * self.channels * (hr * W * (grid[0] - 1) + hc * H * (grid[1] - 1))
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What ``spatial_limit`` found (module docstring)."""
+
+    end: int
+    reason: str | None        # a sentence naming the unit that ends the reach; None: every unit is tiled
+    windows: list[Window]
+    sizes: list[list[HW]]     # per unit < end: the global (H, W) of its tiled values
+    names: list[str]
+
+    def end_for(self, grid: HW, end: int | None = None) -> int:
+        """The longest prefix, up to ``end`` (default: the reach), whose tiled activations all hold
+        a tile of ``grid``; GemsError (``check_grid``'s sentence) when not even unit 0's do."""
+        end = self.end if end is None else end
+        for k in range(end):
+            try:
+                check_grid(self.sizes[k], self.names[k], grid)
+            except GemsError:
+                if k == 0:
+                    raise
+                return k
+        return end
+
+
+def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: Sequence[int]) -> Reach:
+    """How far the units (an image batch of ``image`` = (N, C, H, W) going in) can run on tiles,
+    with the windows and tiled sizes of that prefix (module docstring)."""
+    shapes = record_sizes(units, torch.Size(image))
+    tiled_in, windows, sizes = [True], [], []
+    for k, (unit, found) in enumerate(zip(units, shapes)):
+        if not isinstance(unit, fx.GraphModule):
+            return Reach(k, f"unit {names[k]} is not a traced graph, so it cannot run on tiles; end the spatial "
+                            f"part before unit {names[k]}", windows, sizes, list(names))
+        try:
+            plan, tiled_in = analyse(unit, names[k], found, tiled_in)
+        except GemsError as error:
+            return Reach(k, str(error), windows, sizes, list(names))
+        sizes.append([node.size_out for node in plan.values() if node.tiled] + [tuple(image[2:])])
+        windows += [w for n in plan for w in _window(unit, n, k, found)]
+        if not any(tiled_in):
+            return Reach(k + 1, f"unit {names[k]} leaves no value tiled (it pools the whole image), so nothing after "
+                                f"it is worth tiling; end the spatial part at most {k + 1} units in, after unit "
+                                f"{names[k]}", windows, sizes, list(names))
+    return Reach(len(units), None, windows, sizes, list(names))
+
+
+def _window(unit: fx.GraphModule, n: fx.Node, k: int, shapes: dict) -> list[Window]:
+    """The node as a Window if it is a convolution or pooling module (module docstring)."""
+    if n.op != "call_module":
+        return []
+    m = unit.get_submodule(n.target)
+    source = shapes[n.all_input_nodes[0]]
+    if isinstance(m, nn.Conv2d):
+        kernel, dilation = _pair(m.kernel_size), _pair(m.dilation)
+        geometry = kernel, _pair(m.stride), conv_padding(m.padding, kernel, dilation), dilation
+    elif isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
+        kernel = _pair(m.kernel_size)
+        stride = _pair(m.stride) if m.stride not in (None, []) else kernel
+        geometry = kernel, stride, _pair(m.padding), _pair(getattr(m, "dilation", 1))
+    else:
+        return []
+    return [Window(k, tuple(source[2:]), tuple(shapes[n][2:]), *geometry, source[0], source[1])]
