@@ -24,6 +24,9 @@ Offload's host memory is priced apart from the device's (``CostModel.host_bytes`
 until the executor prefetches it, as the compute action before its backward begins
 (``host_moments``); the forward running then adds its own, and a copy of its output, when
 saved, that it lets go as it ends (the engine keeps the output on the device).
+
+With a spatial part (``spatial_end``; the profile is then the tile group leader's,
+``gems.partition.spatial``), the solver's costs keep it whole inside stage 0.
 """
 from __future__ import annotations
 
@@ -144,8 +147,9 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
                  unit_times: Sequence[float] | None = None, policies: PolicyModel | None = None,
-                 kind: str = "none", split: bool = False) -> None:
+                 kind: str = "none", split: bool = False, spatial_end: int = 0) -> None:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
+        self.spatial_end = spatial_end   # stage 0 must hold units [0, spatial_end): a spatial part (0: none)
         self.split = split   # backward split into input and weight halves (gems.pipeline.splitgrad)
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
@@ -289,7 +293,23 @@ class CostModel:
     def objective(self, balance_by: str):
         """Solver arguments for what ``balance_by`` minimises: (cost, transient, remainder)."""
         if balance_by == "memory":
-            return self.memory, self.peak, self.memory_remainder()
+            return self._whole_spatial(self.memory), self.peak, self.memory_remainder()
         if balance_by == "time":
-            return self.time_cost, None, None
-        return self.flops_cost, None, None
+            return self._whole_spatial(self.time_cost), None, None
+        return self._whole_spatial(self.flops_cost), None, None
+
+    def _whole_spatial(self, cost):
+        """``cost`` with every stage that would split the spatial part priced out (+inf): stage 0
+        ending before ``spatial_end``, a later stage starting before it."""
+        if not self.spatial_end:
+            return cost
+        edges = np.arange(len(self.profile) + 1)
+
+        def whole(position: int, stage: int) -> np.ndarray:
+            matrix = cost(position, stage)
+            key = ("whole spatial", id(matrix), stage == 0)
+            if key not in self._memory:
+                split = edges[None, :] < self.spatial_end if stage == 0 else edges[:, None] < self.spatial_end
+                self._memory[key] = np.where(split, np.inf, matrix)
+            return self._memory[key]
+        return whole

@@ -12,6 +12,11 @@ to the cheapest policy that still fits (``budget.relax``). With a memory budget 
 requested K misses, the plan also names the smallest K that would fit
 (``budget.smallest_fitting``).
 
+A spatial part (``spatial``: P tiles, a grid, or ``auto`` when no plan without one fits the
+budget) runs stage 0's first units on a tile group of P ranks: each candidate (grid, end) is
+priced on the group leader's profile and planned as above, and the best kept
+(``gems.partition.spatial``).
+
 On a GPU, a rank also holds memory besides tensors (``overhead``: the CUDA context, NCCL's
 buffers); with ``comm`` given, the plan reports it apart from the tensor peaks and leaves room
 for it under the budget.
@@ -31,6 +36,7 @@ from gems.pipeline.routes import Routes
 from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
 from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.spatial.limit import spatial_limit
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .forward import forward_bytes, send_copies
@@ -40,6 +46,7 @@ from .policy import PolicyModel
 from .profile import OPTIMIZER_STATE, profile
 from .records import ModelProfile
 from .solver import cuts_from_balance, evaluate, solve
+from .spatial import AUTO_TILES, Tiling, parse_spatial, search, tiled_profile, tiled_times
 
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
@@ -54,7 +61,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
          comm: str | None = None, split_points: Sequence[str] | None = None,
          leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False,
-         shard_optimizer: bool = False) -> Plan:
+         shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
+         spatial_end: int | None = None) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -77,6 +85,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     (``gems.partition.profile``). ``comm`` ("mpi" or "torch", the transport the job will use)
     adds, on device "cuda", what every rank holds besides tensors (``Plan.device_overhead``:
     CUDA context, NCCL buffers) and counts it against ``memory_budget``; None leaves it out.
+    ``spatial``: a tile count P (the grid with the least halo traffic), a grid (rows, cols) or
+    "RxC", or "auto" (P = 2, 4, 8, 16 in turn, only when no plan without tiles fits
+    ``memory_budget``); the tiled prefix of stage 0 ends at ``spatial_end`` (units [0, end)) or
+    where the plan is best (module docstring).
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -107,6 +119,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
             and 0 < efficiency <= 1):
         raise GemsError(f"the device rate must be positive and the efficiency in (0, 1], got {device_flops!r} "
                         f"and {efficiency!r}: e.g. 15.7e12 and 0.4")
+    request = parse_spatial(spatial)
+    if spatial_end is not None and (request is None or isinstance(spatial_end, bool) or not isinstance(spatial_end, int)
+                                    or spatial_end < 1):
+        raise GemsError(f"the spatial part's end must be a positive unit count with a spatial part, got {spatial_end!r}")
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")
@@ -140,17 +156,43 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         if profiles is not None:
             profiles[key] = prof
     rate = float(device_flops * efficiency)
-    policies = PolicyModel(prof, device, *unit_seconds(prof, rate, unit_times), bandwidth)
     allowed = kinds(recompute, offload, device, budget is not None)
-    job = _Job(prof, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp)
-    costs = CostModel(prof, schedule, K, m, unit_times, policies, allowed[0], split_backward)
-    cuts, loads = _cut(costs, balance_by, cuts)
-    result = job.assemble(costs, cuts, loads, balance_by, _uniform(policies, costs, cuts, allowed[0]))
-    if budget is not None and not result.fits and len(allowed) > 1:
-        result = _fit(job, costs, cuts, loads, balance_by, allowed, recut=balance is None)
-    if budget is not None and not result.fits:
-        result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, job.room, name, policies,
-                                                          allowed[-1], split_backward)
+
+    def job(tiles: Tiling | None) -> _Job:
+        """What every plan with this spatial part (None: none) shares: the profile and prices of the
+        rank that holds the most, a tile group's leader (``gems.partition.spatial``)."""
+        p, times = (prof, unit_times) if tiles is None else (tiled_profile(prof, tiles), tiled_times(unit_times, tiles))
+        policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.end if tiles else 0)
+        return _Job(p, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles)
+
+    def solved(job: _Job) -> Plan:
+        """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
+        costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split_backward,
+                          job.tiling.end if job.tiling else 0)
+        found, loads = _cut(costs, balance_by, cuts)
+        made = job.assemble(costs, found, loads, balance_by, _uniform(job.policies, costs, found, allowed[0]))
+        if budget is not None and not made.fits and len(allowed) > 1:
+            made = _fit(job, costs, found, loads, balance_by, allowed, recut=balance is None)
+        return made
+
+    plain = job(None)
+    result = solved(plain) if request in (None, "auto") else None
+    why = ""   # what --spatial auto could not do, for the error when nothing fits
+    if request is not None and (result is None or (budget is not None and not result.fits)):
+        reach = spatial_limit(list(model), [u.name for u in prof.units], (batch_size // split, *shape))
+        why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
+               f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
+        tiled = search(lambda tiles: solved(job(tiles)), reach, request, spatial_end, prof, K, cuts)
+        if tiled is not None and result is not None:
+            tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
+                               f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
+        result = tiled or result
+    if budget is not None and not result.fits and not result.spatial_grid:
+        try:
+            result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, plain.room, name, plain.policies,
+                                                              allowed[-1], split_backward)
+        except GemsError as error:
+            raise GemsError(f"{str(error).rstrip('.')}{why}") from None
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
@@ -204,7 +246,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
     options = [(cuts, loads, balance_by)]
     if recut:
         lean = CostModel(costs.profile, costs.schedule, costs.K, costs.m, None, job.policies, allowed[-1],
-                         costs.split)
+                         costs.split, costs.spatial_end)
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
@@ -228,10 +270,11 @@ class _Job:
 
     def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
                  shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
-                 overhead: dict[str, int], amp: str) -> None:
+                 overhead: dict[str, int], amp: str, unit_times: Sequence[float] | None,
+                 tiling: Tiling | None) -> None:
         self.prof, self.units, self.policies, self.name, self.shape = prof, units, policies, name, shape
         self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
-        self.overhead, self.amp = overhead, amp
+        self.overhead, self.amp, self.unit_times, self.tiling = overhead, amp, unit_times, tiling
         self.room = None if budget is None else budget - sum(overhead.values())
         self.working = prof.working_matrix()
         self._sending: dict[tuple, list[int]] = {}
@@ -256,6 +299,7 @@ class _Job:
         edges = self.edges(cuts)
         sent = edges.message_bytes(self.prof.micro_batch_size)   # per edge: packed forward message
         stage_estimates, on = [], []
+        tiles = self.tiling
         for s in range(K):
             lo, hi = cuts[s], cuts[s + 1]
             part, policy = units[lo:hi], policies[s]
@@ -271,7 +315,8 @@ class _Job:
                 sends=[[j, b] for (i, j), b in sent.items() if i == s],
                 forward_flops=sum(u.forward_flops for u in part), backward_flops=sum(u.backward_flops for u in part),
                 plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
-                extra_seconds=sum(c.seconds for c in on[s].values())))
+                extra_seconds=sum(c.seconds for c in on[s].values()),
+                spatial_seconds=tiles.seconds if tiles and s == 0 else 0.0))
         positions = []
         sending = self.sending(costs, cuts)
         for p in range(K):
@@ -287,7 +332,7 @@ class _Job:
             in_flight = {s: int(live.get(s, 0)) for s in held}
             static = sum(e.static_bytes for e in est)
             extra = sum(c.seconds for c in parts)
-            compute = costs.compute_seconds(p, cuts)
+            compute = costs.compute_seconds(p, cuts) + costs.handled(p, 0) * stage_estimates[0].spatial_seconds
             positions.append(PositionEstimate(
                 position=p, stages=held, units=sum(e.end_unit - e.first_unit for e in est),
                 param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
@@ -311,13 +356,16 @@ class _Job:
             device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
             forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges),
             routes=edges.routes, split_backward=costs.split,
-            order=schedules.variant(costs.schedule, K, costs.m, costs.split))
-        if any(p.kind != "none" for p in policies):
+            order=schedules.variant(costs.schedule, K, costs.m, costs.split),
+            spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0)
+        policed = any(p.kind != "none" for p in policies)
+        if policed or tiles:
             def step(costs_of_plan) -> float:
                 return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups,
                                 split=result.split_backward).step_time
             timed = costs_from_plan(result, self.rate, 1.0)
             result.step_seconds = step(timed)
+        if policed:
             runs = result.micro_batches * schedules.replicas(result.schedule)
             timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
             result.plain_step_seconds = step(timed)

@@ -89,7 +89,7 @@ class PolicyModel:
     """
 
     def __init__(self, profile: ModelProfile, device: str, forward_seconds: Sequence[float],
-                 backward_seconds: Sequence[float], host_bandwidth: float = HOST_BANDWIDTH) -> None:
+                 backward_seconds: Sequence[float], host_bandwidth: float = HOST_BANDWIDTH, barrier: int = 0) -> None:
         self.profile, self.device, self.host_bandwidth = profile, device, host_bandwidth
         self.offload_works = device != "cpu"
         self.forward = np.concatenate([[0.0], np.cumsum(forward_seconds)])    # prefix sums
@@ -107,6 +107,10 @@ class PolicyModel:
                 self.crossing[b + 1].append(i)
         # A segment starts for free at unit a when a saves all it receives anyway (ResNet blocks do).
         self.free_start = [a > 0 and all(a in profile.storages[i].savers for i in self.crossing[a]) for a in range(n)]
+        # No segment crosses the end of a spatial part (``barrier``; 0: none): one starts there.
+        self.barrier = barrier
+        if 0 < barrier < n:
+            self.free_start[barrier] = True
         self.touchers = [s.touchers() for s in profile.storages]
         self._matrices: dict[str, np.ndarray] = {}
 
@@ -259,12 +263,18 @@ class PolicyModel:
         terms = [(1.0 if hidden else float(h.in_flight), True, float(h.in_flight * D)) for h in holders]
         start_cost = [self._bytes(self._held(lo, hi, lo + j) - ends) for j in range(hi - lo)]
         remat = self._remat()[lo:hi + 1, lo:hi + 1]
-        chosen = StagePolicy([[lo + a, lo + b] for a, b in best_segments(start_cost, remat, terms)], offload)
+        chosen = StagePolicy(self._split([[lo + a, lo + b] for a, b in best_segments(start_cost, remat, terms)]),
+                             offload)
         # The DP prices approximately; the exact prices decide. Natural segments and one segment
         # for the whole stage never keep more than no policy, so neither does the choice.
-        candidates = [p for p in (chosen, natural, StagePolicy([[lo, hi]], offload))
+        candidates = [p for p in (chosen, natural, StagePolicy(self._split([[lo, hi]]), offload))
                       if self.memory(lo, hi, p).kept <= self.plain[lo, hi]]
         return min(candidates, key=lambda p: (self.peak(lo, hi, p, holders), len(p.recompute)))
+
+    def _split(self, segments: list[list[int]]) -> list[list[int]]:
+        """``segments`` with the one crossing ``barrier`` cut in two there."""
+        b = self.barrier
+        return [part for a, e in segments for part in ([[a, b], [b, e]] if a < b < e else [[a, e]])]
 
     def partial(self, kind: str, lo: int, hi: int, holders: Sequence[Holder],
                 segments: Sequence[Sequence[int]] | None = None, most: int = MAX_PARTIAL) -> list[StagePolicy]:

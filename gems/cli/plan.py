@@ -8,12 +8,16 @@
               --recompute auto --offload auto
     gems-plan --model resnet101 --image-size 2048 --batch-size 2 --stages 4 --memory-budget 80GiB \
               --comm torch --amp bf16 --calibrate --simulate      # on the GPU machine itself
+    gems-plan --model torchvision:resnet50 --image-size 16384 --batch-size 2 --stages 2 --schedule mast \
+              --recompute auto --memory-budget 80GiB --spatial 4  # stage 0's first units on 4 tiles each
 
 The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
 on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
 Speeds default to a V100 on PCIe 3; --calibrate measures this machine's device instead
 (``gems.partition.calibrate``). --comm adds what a rank holds on a GPU besides tensors
-(``gems.partition.overhead``).
+(``gems.partition.overhead``). --spatial runs stage 0's first units on tile groups of P ranks
+(``gems.partition.spatial``); with --memory-budget and no --spatial, it is tried when nothing
+else fits (``auto``).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gems.partition.options import MODES, parse_bandwidth
     from gems.partition.overhead import COMMS
     from gems.partition.planner import AMP
+    from gems.partition.spatial import parse_spatial
     from gems.pipeline.schedule import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
@@ -101,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a module path or class name traced as one unit, never cut inside (repeatable)")
     p.add_argument("--memory-budget", type=checked(parse_size), metavar="SIZE",
                    help="memory per device, e.g. 40GiB (binary) or 40GB (decimal)")
+    p.add_argument("--spatial", type=checked(parse_spatial), metavar="P|RxC|auto",
+                   help="run stage 0's first units on a tile group of P ranks (the grid with the least halo traffic) "
+                        "or of an RxC grid, at every position holding stage 0; auto tries P = 2, 4, 8, 16 when no "
+                        "plan without tiles fits; none given: auto with --memory-budget")
+    p.add_argument("--spatial-end", type=checked(positive), metavar="UNITS",
+                   help="the spatial part is units [0, UNITS) (default: where the plan is best)")
     p.add_argument("--recompute", default="none", choices=MODES,
                    help="recompute activations in backward instead of keeping them: on every stage (all), "
                         "or only where --memory-budget needs it (auto)")
@@ -199,16 +210,20 @@ def _plan(args: argparse.Namespace) -> None:
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
                    efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
                    leaf_modules=args.leaf_module, split_backward=args.split_backward,
-                   shard_optimizer=args.shard_optimizer, profiles={})   # each micro-batch size profiled once
+                   shard_optimizer=args.shard_optimizer, profiles={},   # each micro-batch size profiled once
+                   spatial=args.spatial, spatial_end=args.spatial_end)
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return
     if args.measure_time:
         # Check the input on fake tensors first, so that a bad size fails cleanly, not mid-timing.
-        plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None, "split_points": None})
+        plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None, "split_points": None,
+                              "spatial": None, "spatial_end": None})
         micro_batch = args.batch_size // (args.groups * replicas(args.schedule) * args.micro_batches)
         options["unit_times"] = measure_times(model, shape, micro_batch, dtype=getattr(torch, args.dtype))
-    result = plan(model, shape, **options)
+    # with a budget and no --spatial, a spatial part is tried where nothing else fits (not in sweeps: each plan would)
+    auto = "auto" if args.spatial is None and args.memory_budget is not None else args.spatial
+    result = plan(model, shape, **{**options, "spatial": auto})
     if args.json:
         result.to_json(args.json)
     print(result.table())

@@ -318,14 +318,17 @@ def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = 
 
     The seconds a stage's memory policies add per step (``StageEstimate.extra_seconds``:
     recomputation, exposed host copies) are spread over its backward passes, where the
-    recomputation and the copies back happen."""
+    recomputation and the copies back happen. A spatial part's halo and gather messages
+    (``StageEstimate.spatial_seconds``) block its tiled layers: half is added to the forward, half
+    to the backward."""
     if device_flops <= 0 or not 0 < efficiency <= 1:
         raise GemsError("the device rate must be positive and the efficiency in (0, 1], e.g. 15.7e12 and 0.4")
     rate = device_flops * efficiency
     stages = plan.stage_estimates
     runs = getattr(plan, "micro_batches", 1) * sch.replicas(getattr(plan, "schedule", "mp"))
-    return Costs(forward=[s.forward_flops / rate for s in stages],
-                 backward=[s.backward_flops / rate + getattr(s, "extra_seconds", 0.0) / runs for s in stages],
+    return Costs(forward=[s.forward_flops / rate + getattr(s, "spatial_seconds", 0.0) / 2 for s in stages],
+                 backward=[s.backward_flops / rate + getattr(s, "extra_seconds", 0.0) / runs
+                           + getattr(s, "spatial_seconds", 0.0) / 2 for s in stages],
                  boundary_bytes=[s.output_bytes for s in stages], edge_bytes=edge_bytes(plan),
                  activation_bytes=[s.activation_bytes for s in stages],
                  static_bytes=[s.static_bytes for s in stages],

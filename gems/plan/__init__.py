@@ -81,6 +81,7 @@ class StageEstimate:
     recompute_bytes: int = 0          # the largest recompute segment, rematerialised at a backward
     offload_bytes: int = 0            # sent to the host and back per micro-batch (waiting forwards only)
     extra_seconds: float = 0.0        # time the policy adds per step, over every position running the stage
+    spatial_seconds: float = 0.0      # per micro-batch, forward + backward: a spatial part's halos and gather
     sends: list[list[int]] = field(default_factory=list)   # [consumer stage, bytes] per message it sends per micro-batch
 
     @property
@@ -144,8 +145,9 @@ class Plan:
     device: str = "cuda"                  # where stages run: "cpu" gains nothing from offloading
     host_bandwidth: float | None = None   # bytes/s between device and host, for offloading
     flops_per_second: float | None = None   # sustained rate behind the seconds (measured times aside)
-    step_seconds: float | None = None       # predicted step with the policies (gems.pipeline.simulate, free network)
-    plain_step_seconds: float | None = None   # the same without them (both None without policies)
+    step_seconds: float | None = None       # predicted step with the policies or a spatial part (gems.pipeline.simulate,
+    #                                         free network but for the spatial part's halos); None with neither
+    plain_step_seconds: float | None = None   # the same without the policies (None without policies)
     amp: str = "none"                     # "bf16": forwards under autocast, activations priced at its sizes
     # Per rank on a GPU besides the tensors, by part (gems.partition.overhead): the CUDA context and
     # communicator buffers. Not in any *_bytes above; counted against memory_budget. Empty unless asked.

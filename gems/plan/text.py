@@ -20,6 +20,7 @@ def table(plan) -> str:
         f"schedule {plan.schedule}, {plan.stages} stages, {plan.micro_batches} micro-batch(es) per replica, "
         f"balanced by {plan.balance_by}"
         + (f"; order: {plan.order}" if plan.order else "") + ("; split backward" if plan.split_backward else ""),
+        *_spatial(plan),
         "",
         _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
               + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],
@@ -44,9 +45,11 @@ def table(plan) -> str:
         lines.append(f"forward-only steps (validation, prediction) of this batch: est. peak {format_size(need)} "
                      f"on position {position}")
     lines += _messages(plan)
-    if policed and plan.step_seconds is not None:
-        lines.append(f"predicted step {plan.step_seconds:.3f} s with the policies, {plan.plain_step_seconds:.3f} s "
-                     f"without (at {plan.flops_per_second / 1e12:.2f} TFLOP/s sustained, network not counted)")
+    if plan.step_seconds is not None:
+        without = f" with the policies, {plan.plain_step_seconds:.3f} s without" if policed else ""
+        halos = " but for the tile groups' halos and gathers, inside a node" if plan.spatial_grid else ""
+        lines.append(f"predicted step {plan.step_seconds:.3f} s{without} (at {plan.flops_per_second / 1e12:.2f} "
+                     f"TFLOP/s sustained, network not counted{halos})")
     besides = ""
     if plan.device_overhead:
         parts = ", ".join(f"{name} {format_size(n)}" for name, n in plan.device_overhead.items())
@@ -66,6 +69,21 @@ def table(plan) -> str:
                          f"over the budget of {format_size(plan.memory_budget)}{smallest}")
     lines += plan.notes
     return "\n".join(lines)
+
+
+def _spatial(plan) -> list[str]:
+    """The spatial part: its units, grid and the ranks it takes (world = groups x (K + (P - 1) x
+    positions holding stage 0))."""
+    if not plan.spatial_grid:
+        return []
+    rows, cols = plan.spatial_grid
+    holders = [p.position for p in plan.positions if 0 in p.stages]
+    world = plan.groups * (plan.stages + (plan.tiles - 1) * len(holders))
+    names = plan.unit_names[:plan.spatial_end]
+    return [f"spatial: stage 0's units [0, {plan.spatial_end}) ({_span(names)}) on a {rows}x{cols} tile grid: "
+            f"{plan.tiles} ranks per tile group at position(s) {','.join(map(str, holders))} (estimates: the group's "
+            f"first rank, which gathers the rest); world {world} ranks = {plan.groups} group(s) x ({plan.stages} + "
+            f"{plan.tiles - 1} x {len(holders)})"]
 
 
 def _messages(plan) -> list[str]:

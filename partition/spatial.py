@@ -1,0 +1,202 @@
+"""Pricing a spatial part (``gems.spatial``): units [0, end) of stage 0 on a tile group of P = rows x
+cols ranks at every position holding stage 0, the boundary at ``end`` gathered on the group's
+leader, which runs the rest of the stage and its position's other stages.
+
+The planner prices the leader, the most loaded rank of the group (the other members hold stage
+0's parameters and their tiles only), by rewriting the profile (``tiled_profile``) and pricing it
+as usual::
+
+    tiled units       activations, working memory, FLOPs / P (a tile's share, rounded up)
+                      + per sliding window the halo rows and columns its tile fetches
+                        (``Window.fetched``: kept for backward, and its gradient in backward)
+    the image         full: every member reads the whole batch and cuts its tile out
+    the gathered boundary at ``end``, and all after it: full
+    parameters, gradients, optimizer state, buffers: full on every member
+
+Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
+of one rank and the gather at ``end`` (the leader receives all but its own tile), each once in
+forward and once back in backward, over the intra-node link of ``gems.pipeline.simulate``'s
+V100 cluster (a tile group exchanges at every layer, so it belongs on one node); group sums of
+normalisation statistics (a few bytes) are not counted. ``Tiling.seconds``.
+
+The grid with the least halo traffic (``Window.traffic``) is chosen among ``geometry.grids(P)``
+that the tiled activations allow (``choose_grid``).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from gems.errors import GemsError
+from gems.pipeline.simulate import V100_CLUSTER
+from gems.plan import Plan
+from gems.spatial.geometry import grids
+from gems.spatial.limit import Reach
+from gems.spatial.stage import check_grid
+from .records import ModelProfile, Storage
+
+AUTO_TILES = (2, 4, 8, 16)    # P tried by spatial="auto", fewest ranks first
+LINK = (V100_CLUSTER.intra_latency, V100_CLUSTER.intra_bandwidth)   # seconds per message, bytes/s
+
+
+def parse_spatial(value: object) -> int | tuple[int, int] | str | None:
+    """None, "auto", a tile count P (int or "4") or a grid ((2, 2) or "2x2"); GemsError otherwise."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value = f"{value[0]}x{value[1]}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", value) if isinstance(value, str) else None
+    if not match or int(match.group(1)) < 1 or (match.group(2) is not None and int(match.group(2)) < 1):
+        raise GemsError(f"--spatial must be a tile count P, a grid RxC of positive integers or auto, got {value!r}: "
+                        "e.g. --spatial 4 or --spatial 2x2")
+    if match.group(2) is None:
+        return int(match.group(1))
+    return int(match.group(1)), int(match.group(2))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A spatial part to price: the grid, its end, and per micro-batch bytes a rank fetches per
+    unit (halo) and the leader gathers at ``end``."""
+
+    grid: tuple[int, int]
+    end: int
+    halo: list[int]        # per unit < end
+    gather: int
+    messages: int          # halo and gather messages of one rank per forward
+
+    @property
+    def tiles(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def seconds(self) -> float:
+        """Per micro-batch: the halo fetches and the gather, forward and backward (module docstring)."""
+        latency, bandwidth = LINK
+        return 2 * ((sum(self.halo) + self.gather) / bandwidth + self.messages * latency)
+
+
+def choose_grid(reach: Reach, tiles: int, end: int) -> tuple[int, int] | None:
+    """The grid of ``tiles`` ranks with the least halo traffic over the windows of units [0, end)
+    among those every tiled activation there allows; None when none does."""
+    fitting = [g for g in grids(tiles) if reach.end_for(g, end) == end]
+    return min(fitting, key=lambda g: sum(w.traffic(g) for w in reach.windows if w.unit < end), default=None)
+
+
+def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile) -> Tiling:
+    """The Tiling of units [0, end) on ``grid``, bytes at the profile's dtype."""
+    itemsize = _itemsize(prof.dtype)
+    halo = [0] * end
+    messages = 0
+    for w in reach.windows:
+        if w.unit < end:
+            halo[w.unit] += w.fetched(grid) * itemsize
+            messages += 2 * sum(1 for count, extra in zip(grid, w.halos(grid)) if count > 1 and extra)
+    P = grid[0] * grid[1]
+    gather = (P - 1) * _share(int(prof.boundary_bytes()[end]), P)
+    return Tiling(tuple(grid), end, halo, gather, messages + P - 1)
+
+
+def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
+    """``prof`` as the leader of ``t``'s tile group holds and computes it (module docstring)."""
+    P, end = t.tiles, t.end
+
+    def tiled(s: Storage) -> bool:   # held as tiles: made, read and saved inside, not the image
+        return -1 not in s.boundaries and all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
+    units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
+                     forward_working=_share(u.forward_working, P) + t.halo[i],
+                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i],
+                     eval_working=_share(u.eval_working, P) + t.halo[i],
+                     forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
+             if i < end else u for i, u in enumerate(prof.units)]
+    storages = [replace(s, nbytes=_share(s.nbytes, P)) if tiled(s) else s for s in prof.storages]
+    storages += [Storage(nbytes=b, savers=(u,), boundaries=()) for u, b in enumerate(t.halo) if b]
+    return replace(prof, units=units, storages=storages, _matrix=None, _working=None)
+
+
+def tiled_times(times: Sequence[float] | None, t: Tiling) -> list[float] | None:
+    """Measured seconds per unit, the tiled units' shared by the group."""
+    return None if times is None else [x / t.tiles if u < t.end else x for u, x in enumerate(times)]
+
+
+def search(solve: Callable[[Tiling], Plan], reach: Reach, request: int | tuple[int, int] | str, end: int | None,
+           prof: ModelProfile, stages: int, cuts: list[int] | None) -> Plan | None:
+    """The best plan ``solve`` makes with a spatial part as requested: a grid, P tiles (the grid
+    with the least halo traffic for each end tried) or "auto" (``AUTO_TILES`` in turn, the first P
+    with a plan that fits); ``end`` given, or among ``candidate_ends`` the plan that fits
+    fastest, else the one with the least peak (longer prefixes win ties). None when "auto"
+    finds nothing that fits. GemsError with the fix for a part that cannot be."""
+    if reach.end == 0 and request == "auto":
+        return None
+    if reach.end == 0 or (end is not None and end > reach.end):
+        raise GemsError(reach.reason)
+    most = min(reach.end, len(prof) - stages + 1, cuts[1] if cuts else len(prof))
+    if end is not None and end > most:
+        raise GemsError(f"the spatial part must end inside stage 0, which here ends at unit {most} at the latest: "
+                        f"give an end of at most {most}")
+    for count in (AUTO_TILES if request == "auto" else [request]):
+        if not any(_holds(reach, g) for g in ([count] if isinstance(count, tuple) else grids(count))):
+            if request == "auto":
+                continue
+            reach.end_for(count if isinstance(count, tuple) else grids(count)[0], 1)   # check_grid's sentence
+        options = []
+        for e in ([end] if end is not None else candidate_ends(prof, most)):
+            grid = _grid(reach, count, e, forced=end is not None)
+            if grid is not None:
+                options.append(solve(tiling(reach, grid, e, prof)))
+        best = min(options, key=_rank, default=None)
+        if request != "auto" or (best is not None and best.fits):
+            return best
+    return None
+
+
+def _grid(reach: Reach, count: int | tuple[int, int], end: int, forced: bool) -> tuple[int, int] | None:
+    """The grid for units [0, end): ``count`` itself if a grid, else the least halo traffic of its
+    grids; None where no grid fits, GemsError when the end is ``forced``."""
+    if isinstance(count, tuple):
+        last = reach.end_for(count, end)
+        if last < end and forced:
+            check_grid(reach.sizes[last], reach.names[last], count)
+        return count if last == end else None
+    grid = choose_grid(reach, count, end)
+    if grid is None and forced:
+        raise GemsError(f"no grid of {count} tiles fits every tiled activation of units [0, {end}): use fewer "
+                        "tiles (--spatial) or end the spatial part sooner")
+    return grid
+
+
+def candidate_ends(prof: ModelProfile, most: int, count: int = 8) -> list[int]:
+    """Ends of the spatial part worth pricing, in [1, most]: ``count`` evenly spaced, ``most``,
+    and the ends whose gathered boundary is smallest (a late, small gather keeps the leader lean)."""
+    boundary = prof.boundary_bytes()
+    smallest = sorted(range(1, most + 1), key=lambda e: (boundary[e], -e))[:count // 2]
+    spaced = {round(1 + i * (most - 1) / (count - 1)) for i in range(count)} if most > 1 else {1}
+    return sorted(spaced | set(smallest) | {most})
+
+
+def _holds(reach: Reach, grid: tuple[int, int]) -> bool:
+    """Whether unit 0's tiled activations hold a tile of ``grid``."""
+    try:
+        return reach.end_for(grid, 1) == 1
+    except GemsError:
+        return False
+
+
+def _rank(plan: Plan) -> tuple:
+    """Plans that fit first, the fastest of them; else the least peak; longer spatial parts on ties."""
+    if plan.fits:
+        return 0, max(p.seconds for p in plan.positions), -plan.spatial_end
+    return 1, plan.peak_bytes, -plan.spatial_end
+
+
+def _share(n: int, P: int) -> int:
+    return -(-int(n) // P)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch  # noqa: PLC0415 - as gems.plan's dtype checks
+
+    return getattr(torch, dtype).itemsize

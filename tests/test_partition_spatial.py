@@ -1,0 +1,117 @@
+"""The planner's spatial part (gems.partition.spatial, gems.spatial.limit): how far a model can be
+tiled and why not further, the grid with the least halo traffic, the leader's memory at about 1/P
+on the tiled units, JSON, gems-plan's flags and their bad input, and ResNet-50 at 16384^2 under
+80 GiB per rank. Fake tensors only."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gems.cli.plan import main
+from gems.errors import GemsError
+from gems.graph import graph_units
+from gems.partition import Plan, plan
+from gems.partition.spatial import parse_spatial
+from gems.spatial.limit import spatial_limit
+from spatial_models import GroupNormNet
+
+BASE = dict(batch_size=1, stages=1, schedule="mp")
+NET = ["--model", "tests/spatial_models.py:GroupNormNet", "--image-size", "64", "--batch-size", "1", "--stages", "1",
+       "--schedule", "mp"]
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 2, 3), nn.Linear(2 * 10 * 10, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_the_reach_ends_before_a_unit_that_mixes_pixels_and_says_why():
+    units = graph_units(Flat(), (3, 12, 12), 1)
+    reach = spatial_limit(list(units), units.unit_names, (1, 3, 12, 12))
+    assert units.unit_names[reach.end] == "flatten"
+    assert reach.reason.startswith("unit flatten cannot run on tiles") and "end the spatial part before unit flatten" \
+        in reach.reason
+    assert [(w.unit, w.kernel, w.size_in, w.size_out) for w in reach.windows] == [(0, (3, 3), (12, 12), (10, 10))]
+    with pytest.raises(GemsError, match="end the spatial part before unit flatten"):
+        plan(Flat(), (3, 12, 12), spatial=2, spatial_end=reach.end + 1, **BASE)
+
+
+def test_the_reach_ends_after_a_global_pooling():
+    units = graph_units(GroupNormNet(), (3, 64, 64), 1)
+    reach = spatial_limit(list(units), units.unit_names, (1, 3, 64, 64))
+    assert units.unit_names[reach.end - 1] == "adaptive_avg_pool2d" and "leaves no value tiled" in reach.reason
+
+
+@pytest.mark.parametrize("size, grid", [((32, 256), [1, 4]), ((256, 32), [4, 1]), ((128, 128), [2, 2])])
+def test_the_grid_with_the_least_halo_traffic(size, grid):
+    # cutting along the long side exchanges the short side's borders; a square image: 2 x 2
+    assert plan(GroupNormNet(), (3, *size), spatial=4, **BASE).spatial_grid == grid
+    assert plan(GroupNormNet(), (3, *size), spatial="2x2", **BASE).spatial_grid == [2, 2]
+
+
+@pytest.mark.parametrize("tiles", [2, 4, 8])
+def test_the_leader_keeps_about_a_tile_of_the_tiled_units(tiles):
+    size, image = 256, 3 * 256 * 256 * 4   # every member reads the whole image batch
+    whole = plan(GroupNormNet(), (3, size, size), **BASE)
+    tiled = plan(GroupNormNet(), (3, size, size), spatial=tiles, **BASE)
+    assert tiled.spatial_end == len(tiled.unit_names) - 2   # through the pooling, before flatten and head
+    share = (tiled.stage_estimates[0].activation_bytes - image) / (whole.stage_estimates[0].activation_bytes - image)
+    assert 1 / tiles <= share <= 1.1 / tiles    # a tile each, plus the halo rows its windows fetch
+    assert tiled.stage_estimates[0].forward_flops == pytest.approx(whole.stage_estimates[0].forward_flops / tiles,
+                                                                    rel=1e-3)
+    assert tiled.positions[0].static_bytes == whole.positions[0].static_bytes   # parameters: full on every rank
+    assert tiled.stage_estimates[0].spatial_seconds > 0 and tiled.step_seconds > 0
+
+
+def test_recompute_segments_stop_at_the_spatial_end():
+    p = plan(GroupNormNet(), (3, 128, 128), spatial=2, spatial_end=5, recompute="all", **BASE)
+    assert p.spatial_end == 5 and p.policies[0].recompute
+    assert not any(a < 5 < b for a, b in p.policies[0].recompute)
+    p.check()
+
+
+def test_json_round_trip():
+    p = plan(GroupNormNet(), (3, 64, 64), spatial="1x2", spatial_end=4, batch_size=2, stages=2, schedule="mast")
+    back = Plan.from_json(p.to_json())
+    assert (back.spatial_grid, back.spatial_end, back.tiles) == ([1, 2], 4, 2)
+    assert back.stage_estimates[0].spatial_seconds == p.stage_estimates[0].spatial_seconds
+    assert "world 4 ranks = 1 group(s) x (2 + 1 x 2)" in back.table()
+
+
+@pytest.mark.parametrize("value", [0, "0", "2x", "x2", "2x0", "four", 2.5, True])
+def test_parse_spatial_refuses(value):
+    with pytest.raises(GemsError, match="--spatial must be"):
+        parse_spatial(value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--spatial", "0"], "--spatial must be a tile count"),
+    (["--spatial", "2x"], "--spatial must be a tile count"),
+    (["--spatial", "64"], "larger than the tile side allows"),
+    (["--spatial", "2", "--spatial-end", "30"], "end the spatial part at most 21 units in"),
+    (["--spatial", "2", "--spatial-end", "0"], "not a positive integer"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, message):
+    try:
+        status = main(NET + extra)
+    except SystemExit as exit_:   # argparse
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 or err.strip().splitlines()[-1].startswith("gems-plan: error: ")
+    assert "Traceback" not in err
+
+
+def test_resnet50_at_16384_fits_80gib_per_rank_on_8_ranks(capsys):
+    # plain: no K fits (the position holding layer1.0 needs >= 112 GiB); mast K = 2 with 4 tiles: 2 x 4 ranks
+    status = main(["--model", "torchvision:resnet50", "--image-size", "16384", "--batch-size", "2", "--stages", "2",
+                   "--schedule", "mast", "--recompute", "auto", "--memory-budget", "80GiB", "--spatial", "4"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "world 8 ranks = 1 group(s) x (2 + 3 x 2)" in out and "fits: the largest peak" in out
+    assert "predicted step" in out
