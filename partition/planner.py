@@ -122,7 +122,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     request = parse_spatial(spatial)
     if spatial_end is not None and (request is None or isinstance(spatial_end, bool) or not isinstance(spatial_end, int)
                                     or spatial_end < 1):
-        raise GemsError(f"the spatial part's end must be a positive unit count with a spatial part, got {spatial_end!r}")
+        raise GemsError(f"the spatial part's end must be a positive unit count with --spatial, got {spatial_end!r}")
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")

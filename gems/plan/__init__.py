@@ -145,8 +145,9 @@ class Plan:
     device: str = "cuda"                  # where stages run: "cpu" gains nothing from offloading
     host_bandwidth: float | None = None   # bytes/s between device and host, for offloading
     flops_per_second: float | None = None   # sustained rate behind the seconds (measured times aside)
-    step_seconds: float | None = None       # predicted step with the policies or a spatial part (gems.pipeline.simulate,
-    #                                         free network but for the spatial part's halos); None with neither
+    # predicted step with the policies or a spatial part (gems.pipeline.simulate, free network but for the
+    # spatial part's halos); None with neither
+    step_seconds: float | None = None
     plain_step_seconds: float | None = None   # the same without the policies (None without policies)
     amp: str = "none"                     # "bf16": forwards under autocast, activations priced at its sizes
     # Per rank on a GPU besides the tensors, by part (gems.partition.overhead): the CUDA context and
