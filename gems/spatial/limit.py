@@ -24,7 +24,7 @@ from torch import fx, nn
 from gems.errors import GemsError
 from gems.spatial.geometry import halo
 from gems.spatial.ops import _pair, conv_padding
-from gems.spatial.stage import check_grid
+from gems.spatial.stage import check_grid, flatten
 from gems.spatial.unit import analyse, record_sizes
 
 HW = tuple[int, int]
@@ -90,12 +90,10 @@ class Reach:
 def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: Sequence[int]) -> Reach:
     """How far the units (an image batch of ``image`` = (N, C, H, W) going in) can run on tiles,
     with the windows and tiled sizes of that prefix (module docstring)."""
+    units = [flatten(unit) for unit in units]   # as the runtime runs them: down to torch.nn's layers
     shapes = record_sizes(units, torch.Size(image))
     tiled_in, windows, sizes = [True], [], []
     for k, (unit, found) in enumerate(zip(units, shapes)):
-        if not isinstance(unit, fx.GraphModule):
-            return Reach(k, f"unit {names[k]} is not a traced graph, so it cannot run on tiles; end the spatial "
-                            f"part before unit {names[k]}", windows, sizes, list(names))
         try:
             plan, tiled_in = analyse(unit, names[k], found, tiled_in)
         except GemsError as error:
