@@ -89,6 +89,9 @@ class TrainConfig:
                                       "weight-gradients filling pipeline bubbles (zero-bubble style)")
     shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
                                        "the parameters and keeps only their optimizer state")
+    spatial: str | None = opt(None, "split each image of stage 0's first units across P ranks (a number, or a "
+                                    "RxC grid) at each position holding stage 0; world = groups x (stages + "
+                                    "(P-1) x those positions)")
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
@@ -154,6 +157,18 @@ class TrainConfig:
     dry_run: bool = opt(False, "print the plan and the batch split, then exit")
     progress: bool = opt(True, "show a progress bar on rank 0")
 
+    def tiles(self) -> int:
+        """P, the ranks of a tile group (1 without --spatial); GemsError unless P or RxC."""
+        if self.spatial is None:
+            return 1
+        from gems.partition.spatial import parse_spatial  # noqa: PLC0415 - the planner's parser, once
+
+        value = parse_spatial(self.spatial)
+        if value == "auto":
+            raise GemsError("gems-train needs the tile count before planning: pass --spatial P or RxC (gems-plan "
+                            "--spatial auto finds one)")
+        return value if isinstance(value, int) else value[0] * value[1]
+
     def validate(self) -> None:
         """Raise GemsError for values or combinations that cannot work."""
         for name in ("num_classes", "image_size", "batch_size", "stages", "micro_batches"):
@@ -165,6 +180,8 @@ class TrainConfig:
                             f"or --image-size, and at most {MAX_CLASSES} classes")
         if not -2**63 <= self.seed < 2**63:
             raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
+        if self.spatial is not None:
+            self.tiles()
         if self.steps is not None and self.epochs is not None:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):

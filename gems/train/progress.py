@@ -123,22 +123,29 @@ class Progress:
             f"  skipped images   {self.skipped}",
             f"  peak memory per rank over the last step ({memory.kind(self.engine.device)}) vs plan estimate:",
         ]
-        K = self.plan.stages
         for rank, (measured, process) in enumerate(zip(self.measured, self.peaks)):
-            estimate = self.plan.positions[rank % K].peak_bytes
-            lines.append(f"    rank {rank} (position {rank % K}): {format_size(measured)} measured, "
+            estimate = self.plan.positions[self._position(rank)].peak_bytes
+            lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(measured)} measured, "
                          f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
                          f"process peak {format_size(process)}")
         if self.val_measured:
             lines.append(f"  peak memory per rank over the last validation (forward-only, batches of {self.val_batch}) "
                          "vs plan estimate:")
             for rank, measured in enumerate(self.val_measured):
-                estimate = self.plan.forward_peak_bytes(rank % K, self.val_batch)
+                estimate = self.plan.forward_peak_bytes(self._position(rank), self.val_batch)
                 said = ("not estimated (the plan predates forward-only pricing)" if estimate is None else
                         f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)})")
-                lines.append(f"    rank {rank} (position {rank % K}): {format_size(measured)} measured, {said}")
+                lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(measured)} measured, {said}")
         lines.append("gems-train: done")
         print("\n".join(lines), flush=True)
+
+    def _position(self, rank: int) -> int:
+        return self.engine.topology.place(rank)[1]
+
+    def _where(self, rank: int) -> str:
+        """"position r", or for a tile group's member "position r, tile t" (priced as its leader)."""
+        _, position, tile = self.engine.topology.place(rank)
+        return f"position {position}" + (f", tile {tile}; the leader's estimate" if tile else "")
 
 
 def _finite(value):

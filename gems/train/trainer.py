@@ -52,6 +52,9 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
             raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
                             f"{cfg.model} has {_names([name for name, _ in model.named_children()])}: "
                             "make the plan for this model")
+        if plan.tiles != cfg.tiles():
+            raise GemsError(f"{cfg.plan} was made for tile groups of {plan.tiles} rank(s), not {cfg.tiles()}: pass "
+                            f"--spatial {'x'.join(map(str, plan.spatial_grid)) or 1} or make a new plan")
         if tuple(plan.input_shape) != (3, cfg.image_size, cfg.image_size):
             raise GemsError(f"{cfg.plan} was made for inputs of {'x'.join(map(str, plan.input_shape))}, not "
                             f"3x{cfg.image_size}x{cfg.image_size}: pass the --image-size it was made for "
@@ -70,7 +73,8 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
-                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer)
+                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
+                          spatial=cfg.spatial)
 
 
 def _names(names: list[str]) -> str:
@@ -183,20 +187,21 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     a user error surfaces on every rank before any rank waits on another. Returns None
     for ``--dry-run``."""
     cfg.validate()
-    topo = Topology(comm.size, cfg.stages, cfg.schedule)
+    topo = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles())
     check_split(cfg, topo)
     check_validation_split(cfg, topo)
-    group, position = topo.coords(comm.rank)
-    held = topo.holds(position)
+    group, position, tile = topo.place(comm.rank)
+    held = topo.stages_of(comm.rank)   # a tile group's member: stage 0 (it reads images, never labels)
+    labels = cfg.stages - 1 in held and not tile
     data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group, task=cfg.task,
                      num_classes=cfg.num_classes,
                      ignore_index=cfg.ignore_index, binary_masks=cfg.binary_masks, augment=cfg.augment,
-                     seed=cfg.seed, workers=cfg.workers, need_images=0 in held, need_labels=cfg.stages - 1 in held)
+                     seed=cfg.seed, workers=cfg.workers, need_images=0 in held, need_labels=labels)
     if cfg.workers and 0 in held:
         start_worker_server()
     loss = make_loss(cfg.task, cfg.loss or "cross-entropy", data.num_classes, class_weights=cfg.weights(),
                      label_smoothing=cfg.label_smoothing)
-    validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, cfg.stages - 1 in held,
+    validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, labels,
                              comm.rank == 0) if cfg.val_data else None)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=output_channels(cfg, data.num_classes), **model_kwargs(cfg.model_arg))
