@@ -213,17 +213,41 @@ def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     n = x.shape[0] * size[0] * size[1]
-    mean = allreduce(x.sum((0, 2, 3)), tiles) / n
-    centred = x - mean.view(1, -1, 1, 1)
-    var = allreduce(centred.square().sum((0, 2, 3)), tiles) / n
+    y, mean, var = _BatchNorm.apply(x, module.weight, module.bias, tiles, n, module.eps)
     if module.training and module.track_running_stats:
         with torch.no_grad():
-            module.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
-            module.running_var.mul_(1 - factor).add_(var.detach() * (n / max(n - 1, 1)), alpha=factor)
-    y = centred * torch.rsqrt(var + module.eps).view(1, -1, 1, 1)
-    if module.affine:
-        y = y * module.weight.view(1, -1, 1, 1) + module.bias.view(1, -1, 1, 1)
+            module.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+            module.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
     return y
+
+
+class _BatchNorm(torch.autograd.Function):
+    """BatchNorm over a tile group: the statistics' sums added over the tiles, the normalisation
+    itself PyTorch's fused kernel with those statistics; backward by the textbook formula with its
+    two sums added over the tiles. Written as one function (not as ops autograd would record)
+    so that, as PyTorch's own, it keeps only its input for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tiles: TileGroup, n: int, eps: float):
+        mean = allreduce(x.sum((0, 2, 3)), tiles) / n
+        var = allreduce((x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3)), tiles) / n
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.tiles, ctx.n, ctx.eps = tiles, n, eps
+        ctx.mark_non_differentiable(mean, var)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps), mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _mean, _var):
+        x, weight, mean, var = ctx.saved_tensors
+        invstd = torch.rsqrt(var + ctx.eps).view(1, -1, 1, 1)
+        normal = (x - mean.view(1, -1, 1, 1)) * invstd
+        sums = torch.stack([grad.sum((0, 2, 3)), (grad * normal).sum((0, 2, 3))])
+        whole = allreduce(sums, ctx.tiles) / ctx.n
+        scale = invstd if weight is None else invstd * weight.view(1, -1, 1, 1)
+        gx = scale * (grad - whole[0].view(1, -1, 1, 1) - normal * whole[1].view(1, -1, 1, 1))
+        gw = sums[1] if weight is not None and ctx.needs_input_grad[1] else None
+        gb = sums[0] if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None, None
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
