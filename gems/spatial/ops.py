@@ -222,15 +222,23 @@ def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
 
 
 class _BatchNorm(torch.autograd.Function):
-    """BatchNorm over a tile group: the statistics' sums added over the tiles, the normalisation
-    itself PyTorch's fused kernel with those statistics; backward by the textbook formula with its
-    two sums added over the tiles. Written as one function (not as ops autograd would record)
-    so that, as PyTorch's own, it keeps only its input for backward."""
+    """BatchNorm over a tile group, keeping only its input for backward as PyTorch's does.
+
+    Forward: each tile's mean and variance in one fused pass (``torch.var_mean``), combined over
+    the tiles in float64 from their sums (Σx, Σx² rebuilt as count x (var + mean²): exact enough
+    in float64 whatever the mean), then PyTorch's fused normalisation with those statistics.
+    Backward: PyTorch's eval-mode backward gives this tile's Σdy and Σdy·x̂ (the weight's and
+    bias's gradients, summed over the tiles later by the gradient sync); added over the tiles,
+    they make dx = A·dy + B·x + C per channel, two fused passes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tiles: TileGroup, n: int, eps: float):
-        mean = allreduce(x.sum((0, 2, 3)), tiles) / n
-        var = allreduce((x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3)), tiles) / n
+        var, mean = torch.var_mean(x, (0, 2, 3), correction=0)
+        count = x.numel() // x.shape[1]
+        sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
+        sums = allreduce(sums, tiles) / n
+        mean64, var64 = sums[0], (sums[1] - sums[0].square()).clamp_min(0)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.tiles, ctx.n, ctx.eps = tiles, n, eps
         ctx.mark_non_differentiable(mean, var)
@@ -239,15 +247,19 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _mean, _var):
         x, weight, mean, var = ctx.saved_tensors
-        invstd = torch.rsqrt(var + ctx.eps).view(1, -1, 1, 1)
-        normal = (x - mean.view(1, -1, 1, 1)) * invstd
-        sums = torch.stack([grad.sum((0, 2, 3)), (grad * normal).sum((0, 2, 3))])
-        whole = allreduce(sums, ctx.tiles) / ctx.n
-        scale = invstd if weight is None else invstd * weight.view(1, -1, 1, 1)
-        gx = scale * (grad - whole[0].view(1, -1, 1, 1) - normal * whole[1].view(1, -1, 1, 1))
-        gw = sums[1] if weight is not None and ctx.needs_input_grad[1] else None
-        gb = sums[0] if ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None, None
+        ones = torch.ones_like(mean) if weight is None else weight
+        _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, None, None,
+                                                              False, ctx.eps, [False, True, True])
+        # eval-mode backward with (mean, var) as running statistics: dw = Σ dy·x̂, db = Σ dy on this tile
+        total = allreduce(torch.stack([db, dw]), ctx.tiles) / ctx.n
+        invstd = torch.rsqrt(var + ctx.eps)
+        a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))
+        b = -a * invstd * total[1]              # coefficient of x
+        c = -a * total[0] - b * mean            # the rest
+        view = (1, -1, 1, 1)
+        gx = torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view))
+        return gx, (dw if ctx.needs_input_grad[1] else None), (db if ctx.needs_input_grad[2] else None), \
+            None, None, None
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):

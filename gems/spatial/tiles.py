@@ -99,28 +99,33 @@ class _Fetch(torch.autograd.Function):
         members, me = tiles.line(dim)
         owns = parts(size, len(members))
         want = needs[me]
-        shape = list(x.shape)
-        shape[dim] = want[1] - want[0]
-        out = x.new_full(shape, fill)
         sends, recvs = [], []
         for q, peer in enumerate(members):
             if q == me:
-                mine = intersect(owns[me], want)
-                if mine:
-                    _slice(out, dim, mine, want[0]).copy_(_slice(x, dim, mine, owns[me][0]))
                 continue
             give, take = intersect(owns[me], needs[q]), intersect(owns[q], want)
             if give:
                 sends.append((peer, _slice(x, dim, give, owns[me][0])))
             if take:
-                recvs.append((peer, take))
-        buffers = [(peer, x.new_empty([*shape[:dim], take[1] - take[0], *shape[dim + 1:]]), take)
-                   for peer, take in recvs]
-        tiles.exchange(sends, [(peer, b) for peer, b, _ in buffers], "a tile's halo")
-        for _, b, take in buffers:
-            _slice(out, dim, take, want[0]).copy_(b)
+                shape = list(x.shape)
+                shape[dim] = take[1] - take[0]
+                recvs.append((peer, x.new_empty(shape)))
+        tiles.exchange(sends, recvs, "a tile's halo")
+        got = iter(b for _, b in recvs)
+        # the needed rows in order -- padding before row 0, each owner's rows, padding after the
+        # last -- joined in one copy
+        pieces = []
+        for lo, hi in ((want[0], min(want[1], 0)), (max(want[0], size), want[1])):
+            if lo < hi:
+                shape = list(x.shape)
+                shape[dim] = hi - lo
+                pieces.append((lo, x.new_full(shape, fill)))
+        for q in range(len(members)):
+            rows = intersect(owns[q], want)
+            if rows:
+                pieces.append((rows[0], _slice(x, dim, rows, owns[me][0]) if q == me else next(got)))
         ctx.args = (tiles, dim, size, needs, tuple(x.shape))
-        return out
+        return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
