@@ -52,14 +52,8 @@ class Backoff:
 
     first: float = 50e-6
     longest: float = 2e-3
-    spin: float = 0.0   # seconds of polling without sleep before the first sleep
-
-    def spinning(self, seconds: float) -> Backoff:
-        """This back-off polling ``seconds`` without sleep first: for waits that are short when the
-        ranks keep pace (a tile's halo between two layers), where even the first sleep would cost
-        more than the wait (measured: 64-float allreduces between 2 ranks, 2.5 ms each with the
-        default sleeps, 4 us polling)."""
-        return Backoff(self.first, self.longest, seconds)
+    spin: float = 0.0   # seconds of polling without sleep first: for waits that are short when ranks keep pace
+    # (a tile's halo: 64-float allreduces of 2 ranks took 2.5 ms each with the sleeps, 4 us polling)
 
 
 def seconds(t: float) -> str:
@@ -72,12 +66,12 @@ def poll_until(done: Callable[[], bool], timeout: float, backoff: Backoff,
     """Return once ``done()`` is true; raise ``CommTimeout(describe(elapsed))`` after ``timeout`` s.
 
     The one waiting loop of gems (see the module docstring for why it sleeps instead of blocking)."""
-    if done():
-        return
     start = time.monotonic()
-    while backoff.spin and time.monotonic() - start < backoff.spin:
-        if done():
-            return
+    while not done():   # polling without sleep for the first backoff.spin seconds
+        if time.monotonic() - start >= backoff.spin:
+            break
+    else:
+        return
     delay = backoff.first
     while not done():
         elapsed = time.monotonic() - start
@@ -321,8 +315,8 @@ class Comm:
 
     # -- shared behaviour --------------------------------------------------------------------
     def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
-        """Return when ``req`` completes; CommTimeout naming ``what`` and the peer after ``timeout``.
-        ``backoff``: this wait's sleeps (default the communicator's)."""
+        """Return when ``req`` completes (sleeping as ``backoff`` says, default the communicator's);
+        CommTimeout naming ``what`` and the peer after ``timeout``."""
         poll_until(req.poll, self.timeout, backoff or self.backoff,
                    lambda t: f"rank {self.rank} waited {seconds(t)}s for {what} ({req.describe}); "
                              f"that rank failed or hangs, or the ranks disagree on the schedule "

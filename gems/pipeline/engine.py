@@ -13,6 +13,9 @@ map back to the model's own keys) and executes its list of ``schedule(plan.sched
     Executor      (executor)  the action loop
     StageState    (state)     state dicts and optimizer state keyed by the model's names
 
+With a spatial part (``plan.spatial_grid``) the positions holding stage 0 are tile groups of ranks,
+each rank one tile of stage 0's first units (``gems.pipeline.tiled``, ``gems.spatial``).
+
 Failures inside a step: bad input (the wrong rows, a replaced ``.grad``) raises GemsError
 before the step communicates, and the engine stays usable. Anything raised once the step has
 started communicating -- an allocator's failure included, reported as ``OutOfMemory`` -- ends

@@ -67,14 +67,3 @@ def grids(count: int) -> list[tuple[int, int]]:
     pairs = [(r, count // r) for r in range(1, count + 1) if count % r == 0]
     return sorted(pairs, key=lambda rc: (min(rc) != 1, rc[1]))
 
-
-def parse_grid(text: str | int) -> tuple[int, int] | int:
-    """"RxC" as (R, C), a plain count as an int; ValueError otherwise."""
-    if isinstance(text, int):
-        return text
-    text = str(text).strip().lower()
-    if "x" in text:
-        r, c = text.split("x", 1)
-        return int(r), int(c)
-    return int(text)
-

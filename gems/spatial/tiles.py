@@ -18,6 +18,7 @@ in posting order; they travel with one tag, ``TILE_TAG``, apart from the pipelin
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from gems.spatial.geometry import Range, intersect, parts
 
 TILE_TAG = 1_000_000   # above every pipeline message tag (gems.pipeline.ir.Message.tag), under MPICH's bound
 # Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
-# the communicator's back-off sleeps begin (gems.comm.base.Backoff.spinning).
+# the communicator's back-off sleeps begin (gems.comm.base.Backoff.spin).
 SPIN_SECONDS = 2e-3
 
 
@@ -85,7 +86,7 @@ class TileGroup:
 
     @property
     def backoff(self):
-        return self.comm.backoff.spinning(SPIN_SECONDS)
+        return dataclasses.replace(self.comm.backoff, spin=SPIN_SECONDS)
 
 
 def _slice(t: torch.Tensor, dim: int, rng: Range, base: int) -> torch.Tensor:
