@@ -116,3 +116,27 @@ def test_spatial_with_mast(split):
 
 def test_spatial_with_data_parallelism():
     _check(_train(36, 4, 1, "mp", (2, 1), groups=2), 4, 36)
+
+
+@pytest.mark.parametrize("K, schedule", [(1, "mp"), (2, "mast")])
+def test_predict_on_a_spatial_plan(K, schedule):
+    """Forward-only steps: the leader of position 0 returns the model's own outputs; members None."""
+    model, plan = _plan(36, 4, K, schedule, (2, 1))
+    world = ranks_per_group(K, schedule, 2)
+    copies = []
+    for _ in range(world):
+        copies.append(graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size))
+        for unit in copies[-1]:
+            flatten(unit)
+    x, _ = _data(4, 36, 0)
+
+    def rank(comm):
+        engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
+                             loss_fn=nn.CrossEntropyLoss(), comm=comm)
+        return engine.predict(x)
+
+    outputs = loopback.run(world, rank, semantics="nccl", timeout=60.0)
+    with torch.no_grad():
+        expected = model.eval()(x)
+    assert torch.allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
+    assert all(o is None for o in outputs[1:])

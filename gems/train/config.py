@@ -159,15 +159,7 @@ class TrainConfig:
 
     def tiles(self) -> int:
         """P, the ranks of a tile group (1 without --spatial); GemsError unless P or RxC."""
-        if self.spatial is None:
-            return 1
-        from gems.partition.spatial import parse_spatial  # noqa: PLC0415 - the planner's parser, once
-
-        value = parse_spatial(self.spatial)
-        if value == "auto":
-            raise GemsError("gems-train needs the tile count before planning: pass --spatial P or RxC (gems-plan "
-                            "--spatial auto finds one)")
-        return value if isinstance(value, int) else value[0] * value[1]
+        return tile_count(self.spatial, "gems-train")
 
     def validate(self) -> None:
         """Raise GemsError for values or combinations that cannot work."""
@@ -255,3 +247,17 @@ class TrainConfig:
             raise GemsError(f"--class-weights takes comma-separated numbers like 0.2,1,1, got "
                             f"{self.class_weights!r}") from None
         return weights
+
+
+def tile_count(spatial: str | None, tool: str) -> int:
+    """P of ``--spatial`` P or RxC (1 without it); GemsError for anything else, auto included: the
+    ranks must be placed before the plan is made."""
+    if spatial is None:
+        return 1
+    from gems.partition.spatial import parse_spatial  # noqa: PLC0415 - the planner's parser, once
+
+    value = parse_spatial(spatial)
+    if value == "auto":
+        raise GemsError(f"{tool} needs the tile count before planning: pass --spatial P or RxC (gems-plan "
+                        "--spatial auto finds one)")
+    return value if isinstance(value, int) else value[0] * value[1]

@@ -31,7 +31,7 @@ from gems.errors import GemsError
 from gems.pipeline import schedule as sch
 from gems.pipeline.topology import Topology
 from gems.train import checkpoint, images, outputs, regions, windows
-from gems.train.config import model_kwargs, opt
+from gems.train.config import model_kwargs, opt, tile_count
 from gems.train.data import PredictImages
 
 
@@ -45,6 +45,8 @@ class PredictConfig:
     schedule: str = opt("mast", "pipeline schedule of the forward steps", choices=("mp", "gpipe", "1f1b", "mast"))
     micro_batches: int = opt(1, "micro-batches per replica per forward step")
     batch_size: int = opt(2, "images (or windows) per forward step over all ranks")
+    spatial: str | None = opt(None, "split each image of stage 0's first units across P ranks (a number, or a "
+                                    "RxC grid), as gems-train --spatial")
     overlap: int | None = opt(None, "segmentation: pixels by which neighbouring windows of a large image overlap "
                               "(default: an eighth of the plan's image size)")
     probabilities: bool = opt(False, "segmentation: also write class probabilities as OUT/NAME.tif")
@@ -58,6 +60,7 @@ class PredictConfig:
             raise GemsError("give --checkpoint-dir (the training run's) or --checkpoint")
         if not self.data or not self.out:
             raise GemsError("give --data (the images to predict) and --out (where the outputs go)")
+        tile_count(self.spatial, "gems-predict")
 
 
 @dataclass
@@ -101,7 +104,7 @@ def prepare(cfg, comm) -> PredictJob:
         cfg.overlap = size // 8
     if not 0 <= cfg.overlap < size:
         raise GemsError(f"--overlap must be at least 0 and less than the image size {size}, got {cfg.overlap}")
-    topo = Topology(comm.size, cfg.stages, cfg.schedule)
+    topo = Topology(comm.size, cfg.stages, cfg.schedule, tile_count(cfg.spatial, "gems-predict"))
     parts = topo.groups * sch.replicas(cfg.schedule) * cfg.micro_batches
     if cfg.batch_size % parts:
         raise GemsError(f"--batch-size {cfg.batch_size} does not split into {topo.groups} group(s) x "
@@ -125,9 +128,8 @@ def prepare(cfg, comm) -> PredictJob:
     plan = partition.plan(model, input_shape=(3, size, size), batch_size=cfg.batch_size, stages=cfg.stages,
                           schedule=cfg.schedule, micro_batches=cfg.micro_batches, groups=topo.groups,
                           model_name=meta["model"], device=comm.device.type, comm=cfg.comm,
-                          leaf_modules=tuple(meta.get("leaf_module", ())))
-    _, position = topo.coords(comm.rank)
-    held = topo.holds(position)
+                          leaf_modules=tuple(meta.get("leaf_module", ())), spatial=cfg.spatial)
+    held = topo.stages_of(comm.rank)
     units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
     _, state, _, _ = checkpoint.load_stages(path, units)
     return PredictJob(cfg, comm, topo, meta, paths, root, model, plan, state)
@@ -171,7 +173,7 @@ def run(job: PredictJob) -> int:
 def _segment(job: PredictJob, engine, paths: list[str], rows: int) -> int:
     """Predict masks of ``paths`` window by window; returns the files written (position 0)."""
     cfg, size = job.cfg, int(job.meta["image_size"])
-    writer = engine.position == 0
+    writer = engine.position == 0 and not engine.tile   # a tile group's member gets no outputs
     # every rank of the group runs the same forward steps, so all list the same windows
     sizes = [images.header_size(p) for p in paths]   # (width, height), from the headers
     plan = [(i, top, left) for i, (width, height) in enumerate(sizes)
@@ -233,7 +235,7 @@ def _classify(job: PredictJob, engine, paths: list[str], rows: int) -> int:
             for k, p in enumerate(batch):
                 x[k] = TF.center_crop(TF.resize(images.read_image(p), size, antialias=True), size)
         out = engine.predict(x, batch_size=cfg.batch_size)
-        if engine.position == 0:
+        if engine.position == 0 and not engine.tile:
             probs = _probabilities(out)
             lines += [(str(outputs.output_name(p, job.root, Path(p).suffix)), probs[k].tolist())
                       for k, p in enumerate(batch)]
