@@ -160,16 +160,15 @@ def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode=
     if size is not None or recompute_scale_factor:
         scales = (None, None)
     for axis, dim in enumerate(DIMS):
-        out = parts(size_out[axis], _count(tiles, dim))
-        terms = lambda i, n=size_in[axis], m=size_out[axis], s=scales[axis], out=out: _source(  # noqa: E731
-            out[i], n, m, "nearest" if mode == "nearest" else "linear", align_corners, s)
-        reach = lambda i, own, terms=terms: (int(min(r.min() for r, _ in terms(i))),   # noqa: E731
-                                             int(max(r.max() for r, _ in terms(i))) + 1)
-        region = fetch(x, tiles, dim, size_in[axis], reach)
+        # every tile's source rows and weights, once: the fetch needs each tile's reach
+        every = [_source(out, size_in[axis], size_out[axis], "nearest" if mode == "nearest" else "linear",
+                         align_corners, scales[axis]) for out in parts(size_out[axis], _count(tiles, dim))]
+        reach = [(int(min(r.min() for r, _ in terms)), int(max(r.max() for r, _ in terms)) + 1) for terms in every]
+        region = fetch(x, tiles, dim, size_in[axis], lambda i, own: reach[i])
         me = tiles.line(dim)[1]
-        base = reach(me, None)[0]
+        base = reach[me][0]
         result = None
-        for rows, weight in terms(me):
+        for rows, weight in every[me]:
             part = region.index_select(dim, (rows - base).to(x.device))
             if weight is not None:
                 shape = [1, 1, 1, 1]
@@ -181,20 +180,22 @@ def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode=
 
 
 def pad(x, tiles, size_in, size_out, pads, mode="constant", value=None):
-    """F.pad of the last two axes (negative pads crop): output row o is input row o - top."""
+    """F.pad of the last two axes (negative pads crop)."""
     pads = list(pads) + [0] * (4 - len(pads))
-    for axis, dim, before in ((0, 2, pads[2]), (1, 3, pads[0])):
-        outs = parts(size_out[axis], _count(tiles, dim))
-        x = fetch(x, tiles, dim, size_in[axis], lambda i, own, outs=outs, b=before: (outs[i][0] - b, outs[i][1] - b),
-                  0.0 if value is None else float(value))
-    return x
+    return shift(x, tiles, size_in, size_out, (-pads[2], -pads[0]), 0.0 if value is None else float(value))
 
 
 def crop(x, tiles, size_in, size_out, starts: tuple[int, int]):
     """A slice ``[start:start + size_out]`` of each spatial axis."""
+    return shift(x, tiles, size_in, size_out, starts)
+
+
+def shift(x, tiles, size_in, size_out, offsets: tuple[int, int], fill: float = 0.0):
+    """Output row o is input row o + offset (per axis); rows outside the input hold ``fill``."""
     for axis, dim in enumerate(DIMS):
         outs = parts(size_out[axis], _count(tiles, dim))
-        x = fetch(x, tiles, dim, size_in[axis], lambda i, own, outs=outs, a=starts[axis]: (outs[i][0] + a, outs[i][1] + a))
+        x = fetch(x, tiles, dim, size_in[axis],
+                  lambda i, own, outs=outs, a=offsets[axis]: (outs[i][0] + a, outs[i][1] + a), fill)
     return x
 
 

@@ -177,15 +177,16 @@ def _pointwise(fn):
 
 
 def _mean(n: fx.Node):
+    """``x.mean((2, 3), keepdim=True)`` (without keepdim its result is not 4-D: ``analyse`` refuses it)."""
     dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    keep = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
     if dims is None or sorted(d % 4 for d in (dims if isinstance(dims, (tuple, list)) else [dims])) != [2, 3]:
         _refuse("takes a mean over other axes than the image's")
+    return _mean_of_image
 
-    def run(tiles, node: Node, args, kwargs, module=None):
-        pooled = ops.spatial_sum(args[0], tiles) / (node.size_in[0] * node.size_in[1])
-        return pooled if keep else pooled.flatten(2)
-    return run
+
+def _mean_of_image(tiles, node: Node, args, kwargs, module=None):
+    """Global average pooling: the tiles' sums added over the group, over the whole image's pixels."""
+    return ops.spatial_sum(args[0], tiles) / (node.size_in[0] * node.size_in[1])
 
 
 class _Refused(Exception):
@@ -235,7 +236,7 @@ def _adaptive(m: nn.AdaptiveAvgPool2d):
     size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
     if tuple(size) != (1, 1):
         _refuse("pools to a grid other than 1x1")
-    return _module(lambda x, t, i, o, m: ops.spatial_sum(x, t) / (i[0] * i[1])), False
+    return _mean_of_image, False
 
 
 def _upsample(m: nn.Upsample):
@@ -287,8 +288,7 @@ def _function_adaptive(n: fx.Node):
     size = n.kwargs.get("output_size", n.args[1] if len(n.args) > 1 else None)
     if size not in (1, (1, 1), [1, 1]):
         _refuse("pools to a grid other than 1x1")
-    return (lambda tiles, node, args, kwargs, module=None: ops.spatial_sum(args[0], tiles) / (node.size_in[0] * node.size_in[1])), \
-        False
+    return _mean_of_image, False
 
 
 def _function_gn(n: fx.Node):
