@@ -1,12 +1,13 @@
 """Spatial parallelism: the first units of a model run on a tile group of P ranks, each holding
-one tile of every activation, exchanging halos with its neighbours (``gems.spatial.tiles``), and
+one tile of every activation, exchanging halos with its neighbours (``gems.spatial.halo``), and
 their result is gathered on the group's leader for the rest of the pipeline.
 
     tiles = TileGroup(comm, ranks=[0, 1], grid=(2, 1), index=comm.rank, group=comm.group([0, 1]))
     stage = tile_stage(units[0:hi], 0, end, units.unit_names, tiles, image=(1, 3, 512, 512))
 
 Parts: ``geometry`` (pure: tile ranges, the input range an output range needs), ``tiles`` (the
-tile group, halo fetch, group sums, gather: autograd functions with exact backwards), ``ops``
+tile group, group sums, gather), ``halo`` (halo exchange, alone or joined with a convolution or
+max pooling; autograd functions with exact backwards, as the sums and gather are), ``ops``
 (layers on tiles), ``unit`` (which values are tiled; a unit's graph on tiles; what cannot be
 tiled), ``stage`` (a stage's tiled prefix).
 """

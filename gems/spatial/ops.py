@@ -1,7 +1,7 @@
 """Layers on tiles: each computes this tile's part of its global output, exactly.
 
 A handler takes the tiled input(s), the global (H, W) of its input and output, and the layer's
-own settings, fetches the halo its window needs (``gems.spatial.tiles.fetch``, the layer's
+own settings, fetches the halo its window needs (``gems.spatial.halo``, the layer's
 padding value outside the image) and runs the stock PyTorch function with padding 0 on the
 fetched region, so no arithmetic is written by hand except where PyTorch's own formula must be
 evaluated for one tile's output range (interpolation's source rows, normalisation statistics
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.spatial.geometry import parts, transposed_covers, transposed_need, window_need
-from gems.spatial.tiles import TileGroup, allreduce, fetch
+from gems.spatial.halo import Conv, Halo, MaxPool, fetch, fetch_halo, window
+from gems.spatial.tiles import TileGroup, allreduce
 
 HW = tuple[int, int]
 DIMS = (2, 3)
@@ -30,21 +31,21 @@ def _count(tiles: TileGroup, dim: int) -> int:
     return tiles.grid[0] if dim == 2 else tiles.grid[1]
 
 
-def windowed(x: torch.Tensor, tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo,
-             dilation=(1, 1), fill: float = 0.0, symmetric: bool = True) -> tuple[torch.Tensor, tuple[int, int]]:
-    """``x`` extended by the halo a sliding window needs for this tile's output rows and columns,
-    and the padding the window still applies itself: along an axis the grid does not cut, a
-    ``symmetric`` padding stays the layer's own (no copy); along a cut one the halo replaces it."""
-    pads = [0, 0]
+def halos(tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo, dilation=(1, 1),
+          fill: float = 0.0, symmetric: bool = True) -> tuple[list[Halo], tuple[int, int]]:
+    """The halos a sliding window needs for this tile's output rows and columns, and the padding
+    the window still applies itself: along an axis the grid does not cut, a ``symmetric`` padding
+    stays the layer's own (no copy); along a cut one the halo replaces it."""
+    pads, found = [0, 0], []
     for axis, dim in enumerate(DIMS):
         k, s, p, d = kernel[axis], stride[axis], pad_lo[axis], dilation[axis]
         if _count(tiles, dim) == 1 and symmetric:
             pads[axis] = p
             continue
         outs = parts(size_out[axis], _count(tiles, dim))
-        x = fetch(x, tiles, dim, size_in[axis],
-                  lambda i, own, outs=outs, k=k, s=s, p=p, d=d: window_need(outs[i], k, s, p, d), fill)
-    return x, tuple(pads)
+        found.append(Halo.of(tiles, dim, size_in[axis],
+                             lambda i, own, outs=outs, k=k, s=s, p=p, d=d: window_need(outs[i], k, s, p, d), fill))
+    return found, tuple(pads)
 
 
 def conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int]:
@@ -60,8 +61,8 @@ def conv2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, 
     kernel, stride, dilation = tuple(weight.shape[2:]), _pair(stride), _pair(dilation)
     pad = conv_padding(padding, kernel, dilation)
     symmetric = not isinstance(padding, str) or all(d * (k - 1) % 2 == 0 for k, d in zip(kernel, dilation))
-    x, own = windowed(x, tiles, size_in, size_out, kernel, stride, pad, dilation, symmetric=symmetric)
-    return F.conv2d(x, weight, bias, stride, own, dilation, groups)
+    needed, own = halos(tiles, size_in, size_out, kernel, stride, pad, dilation, symmetric=symmetric)
+    return window(x, tiles, needed, Conv(stride, own, dilation, groups), weight, bias)
 
 
 def conv_transpose2d(x, tiles, size_in, size_out, weight, bias=None, stride=1, padding=0, output_padding=0,
@@ -97,9 +98,9 @@ def max_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0,
                ceil_mode=False, return_indices=False):
     kernel = _pair(kernel_size)
     stride = _pair(stride) if stride not in (None, []) else kernel
-    x, own = windowed(x, tiles, size_in, size_out, kernel, stride, _pair(padding), _pair(dilation), -math.inf,
-                      symmetric=not ceil_mode)
-    return F.max_pool2d(x, kernel, stride, own, _pair(dilation))
+    needed, own = halos(tiles, size_in, size_out, kernel, stride, _pair(padding), _pair(dilation), -math.inf,
+                        symmetric=not ceil_mode)
+    return window(x, tiles, needed, MaxPool(kernel, stride, own, _pair(dilation)))
 
 
 def avg_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0, ceil_mode=False,
@@ -107,7 +108,9 @@ def avg_pool2d(x, tiles, size_in, size_out, kernel_size, stride=None, padding=0,
     kernel = _pair(kernel_size)
     stride = _pair(stride) if stride not in (None, []) else kernel
     pad = _pair(padding)
-    region, _ = windowed(x, tiles, size_in, size_out, kernel, stride, pad, symmetric=False)
+    region = x
+    for h in halos(tiles, size_in, size_out, kernel, stride, pad, symmetric=False)[0]:
+        region = fetch_halo(region, tiles, h)
     total = F.avg_pool2d(region, kernel, stride, 0, divisor_override=1)
     if divisor_override:
         return total / divisor_override
@@ -225,7 +228,7 @@ def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
 class _BatchNorm(torch.autograd.Function):
     """BatchNorm over a tile group, keeping only its input for backward as PyTorch's does.
 
-    Forward: each tile's mean and variance in one fused pass (``torch.var_mean``), combined over
+    Forward: each tile's mean and variance in one fused pass (``torch.batch_norm_update_stats``), combined over
     the tiles in float64 from their sums (Σx, Σx² rebuilt as count x (var + mean²): exact enough
     in float64 whatever the mean), then PyTorch's fused normalisation with those statistics.
     Backward: PyTorch's eval-mode backward gives this tile's Σdy and Σdy·x̂ (the weight's and
@@ -234,7 +237,9 @@ class _BatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, tiles: TileGroup, n: int, eps: float):
-        var, mean = torch.var_mean(x, (0, 2, 3), correction=0)
+        # the fused statistics pass PyTorch's own training-mode BatchNorm uses: mean and biased
+        # variance, ~5x faster than torch.var_mean over (0, 2, 3) on CPU
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
         count = x.numel() // x.shape[1]
         sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
         sums = allreduce(sums, tiles) / n

@@ -1,12 +1,6 @@
-"""The ranks of one tile group and the three exchanges tiled layers need, each an autograd
-function whose backward is exact:
+"""The ranks of one tile group and the exchanges its layers make besides halos
+(``gems.spatial.halo``), each an autograd function whose backward is exact:
 
-* ``fetch``: the rows (or columns) an operation needs around its tile -- its halo -- from the
-  tiles that own them, rows outside the image filled with the operation's padding value. In
-  backward, the gradient of every row fetched goes back to its owner and is added to the
-  owner's gradient: nothing is dropped at a tile border. On a 2-D grid rows are fetched first
-  (along the grid's columns), then columns of the row-extended tile (along its rows), so the
-  corners arrive through the row neighbour.
 * ``allreduce``: a sum over the whole tile group (normalisation statistics, global pooling); its
   gradient is the sum of every tile's gradient, so the backward is an allreduce too.
 * ``gather`` / its backward: the tiles of a boundary assembled on the group's first rank (the
@@ -24,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gems.comm import P2POp
-from gems.spatial.geometry import Range, intersect, parts
+from gems.spatial.geometry import Range, parts
 
 TILE_TAG = 1_000_000   # above every pipeline message tag (gems.pipeline.ir.Message.tag), under MPICH's bound
 # Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
@@ -87,82 +81,6 @@ class TileGroup:
     @property
     def backoff(self):
         return dataclasses.replace(self.comm.backoff, spin=SPIN_SECONDS)
-
-
-def _slice(t: torch.Tensor, dim: int, rng: Range, base: int) -> torch.Tensor:
-    return t.narrow(dim, rng[0] - base, rng[1] - rng[0])
-
-
-class _Fetch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tiles: TileGroup, dim: int, size: int, needs: list[Range],
-                fill: float) -> torch.Tensor:
-        members, me = tiles.line(dim)
-        owns = parts(size, len(members))
-        want = needs[me]
-        sends, recvs = [], []
-        for q, peer in enumerate(members):
-            if q == me:
-                continue
-            give, take = intersect(owns[me], needs[q]), intersect(owns[q], want)
-            if give:
-                sends.append((peer, _slice(x, dim, give, owns[me][0])))
-            if take:
-                shape = list(x.shape)
-                shape[dim] = take[1] - take[0]
-                recvs.append((peer, x.new_empty(shape)))
-        tiles.exchange(sends, recvs, "a tile's halo")
-        got = iter(b for _, b in recvs)
-        # the needed rows in order -- padding before row 0, each owner's rows, padding after the
-        # last -- joined in one copy
-        pieces = []
-        for lo, hi in ((want[0], min(want[1], 0)), (max(want[0], size), want[1])):
-            if lo < hi:
-                shape = list(x.shape)
-                shape[dim] = hi - lo
-                pieces.append((lo, x.new_full(shape, fill)))
-        for q in range(len(members)):
-            rows = intersect(owns[q], want)
-            if rows:
-                pieces.append((rows[0], _slice(x, dim, rows, owns[me][0]) if q == me else next(got)))
-        ctx.args = (tiles, dim, size, needs, tuple(x.shape))
-        return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        tiles, dim, size, needs, shape = ctx.args
-        members, me = tiles.line(dim)
-        owns = parts(size, len(members))
-        want = needs[me]
-        gx = grad.new_zeros(shape)
-        sends, recvs = [], []
-        for q, peer in enumerate(members):
-            if q == me:
-                mine = intersect(owns[me], want)
-                if mine:
-                    _slice(gx, dim, mine, owns[me][0]).add_(_slice(grad, dim, mine, want[0]))
-                continue
-            back, give = intersect(owns[q], want), intersect(owns[me], needs[q])
-            if back:
-                sends.append((peer, _slice(grad, dim, back, want[0])))
-            if give:
-                recvs.append((peer, give))
-        buffers = [(peer, grad.new_empty([*shape[:dim], give[1] - give[0], *shape[dim + 1:]]), give)
-                   for peer, give in recvs]
-        tiles.exchange(sends, [(peer, b) for peer, b, _ in buffers], "the gradient of a tile's halo")
-        for _, b, give in buffers:
-            _slice(gx, dim, give, owns[me][0]).add_(b)
-        return gx, None, None, None, None, None
-
-
-def fetch(x: torch.Tensor, tiles: TileGroup, dim: int, size: int, want, fill: float = 0.0) -> torch.Tensor:
-    """The rows ``want(own range) -> needed range`` of axis ``dim`` (2: rows, 3: columns; global
-    length ``size``) that this tile's operation reads, gathered from the tiles owning them;
-    positions outside ``[0, size)`` hold ``fill``. ``want`` is evaluated for every member of the
-    line, so each knows what to send whom without asking."""
-    members, _ = tiles.line(dim)
-    needs = [want(i, r) for i, r in enumerate(parts(size, len(members)))]
-    return _Fetch.apply(x, tiles, dim, size, needs, fill)
 
 
 class _AllReduce(torch.autograd.Function):
