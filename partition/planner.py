@@ -150,18 +150,19 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         raise GemsError(f"unit_times must give one non-negative time per unit ({n} values)")
 
     key = (batch_size // split, shape, torch_dtype, optimizer, amp)
-    prof = profiles.get(key) if profiles is not None else None
-    if prof is None:
-        prof = profile(model, shape, batch_size // split, torch_dtype, optimizer, name, AMP[amp])
-        if profiles is not None:
-            profiles[key] = prof
+    profiles = {} if profiles is None else profiles
+    if key not in profiles:
+        profiles[key] = profile(model, shape, batch_size // split, torch_dtype, optimizer, name, AMP[amp])
+    prof = profiles[key]
     rate = float(device_flops * efficiency)
+    sharers = groups * sum(0 in schedules.holds(schedule, K, p) for p in range(K)) if shard_optimizer else 1
     allowed = kinds(recompute, offload, device, budget is not None)
 
     def job(tiles: Tiling | None) -> _Job:
         """What every plan with this spatial part (None: none) shares: the profile and prices of the
         rank that holds the most, a tile group's leader (``gems.partition.spatial``)."""
-        p, times = (prof, unit_times) if tiles is None else (tiled_profile(prof, tiles), tiled_times(unit_times, tiles))
+        p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(sharers)
+        times = unit_times if tiles is None else tiled_times(unit_times, tiles)
         policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.end if tiles else 0)
         return _Job(p, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles)
 
@@ -189,15 +190,15 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         result = tiled or result
     if budget is not None and not result.fits and not result.spatial_grid:
         try:
-            result.smallest_fitting_stages = smallest_fitting(prof, schedule, K, m, plain.room, name, plain.policies,
-                                                              allowed[-1], split_backward)
+            result.smallest_fitting_stages = smallest_fitting(plain.prof, schedule, K, m, plain.room, name,
+                                                              plain.policies, allowed[-1], split_backward)
         except GemsError as error:
             raise GemsError(f"{str(error).rstrip('.')}{why}") from None
     if device == "cpu" and any(p.offload for p in result.policies):
         result.notes.append("offload on a CPU device: host memory is the device's memory, so it saves nothing "
                             "(the estimates count no saving)")
     result.leaf_modules = leaves   # the engine traces the model the same way
-    result.shard_optimizer = shard_optimizer   # not priced yet: each rank's estimate keeps all the state
+    result.shard_optimizer = shard_optimizer
     return result
 
 

@@ -26,7 +26,7 @@ the stage holds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -93,6 +93,15 @@ class ModelProfile:
 
     def __len__(self) -> int:
         return len(self.units)
+
+    def sharded(self, ranks: int) -> ModelProfile:
+        """This profile as each of ``ranks`` ranks holds it when they share the optimizer
+        (``--shard-optimizer``): every unit's optimizer state divided among them, rounded up. The
+        engine shares whole parameters, so a rank's run may exceed 1/ranks of a stage's state by
+        part of one parameter's; its parameter exchange reuses the gradient bucket (nothing added)."""
+        if ranks <= 1:
+            return self
+        return replace(self, units=[replace(u, optimizer_bytes=-(-u.optimizer_bytes // ranks)) for u in self.units])
 
     def activation_bytes(self, lo: int, hi: int) -> int:
         """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""

@@ -12,6 +12,7 @@ from torch import nn
 
 import gems
 from gems.comm import loopback
+from gems.obs import memory
 from gems.pipeline.gradsync import _share
 
 from equivalence import build, data, make_plan, optimizer, run_loopback
@@ -48,7 +49,7 @@ def _shards(comm, model, plan, steps, load=None):
         engine.step(*data(plan.batch_size, step))
     shard = engine.stage_state(engine.position)
     held = sum(len(g["params"]) for g in engine.optimizer.param_groups)
-    return shard, held, engine.state_dict()
+    return shard, held, engine.state_dict(), memory.storage_bytes(memory.engine_tensors(engine))
 
 
 def _run(shard: bool, steps, load=None):
@@ -58,12 +59,22 @@ def _run(shard: bool, steps, load=None):
 
 
 def _full_optimizer_state(results) -> dict:
-    return {name: st for shard, _, _ in results for name, st in shard["optimizer"].items()}
+    return {name: st for shard, _, _, _ in results for name, st in shard["optimizer"].items()}
 
 
 def test_checkpoints_are_the_same_sharded_or_not_and_each_resumes_the_other():
+    model = build("transparency")
     plain, sharded = _run(False, range(2)), _run(True, range(2))
     assert sharded[0][1] < plain[0][1]   # a rank's optimizer holds a share of the parameters
+    # ... and only its share's state (no exchange buffer of its own), as the plan prices it: what a
+    # rank holds between steps is its position's static estimate, up to one parameter's state (the
+    # engine shares whole parameters, the plan 1/n of the state)
+    one = max(p.numel() * p.element_size() for p in model.parameters())
+    for shard in (False, True):
+        plan = make_plan("transparency", "mast", 2, 2, 2, shard=shard)
+        held = (sharded if shard else plain)[0][3]
+        assert 0.97 * plan.positions[0].static_bytes <= held <= plan.positions[0].static_bytes + shard * one
+    assert sharded[0][3] < plain[0][3]
     a, b = _full_optimizer_state(plain), _full_optimizer_state(sharded)
     assert a.keys() == b.keys() and a
     for name in a:

@@ -1,10 +1,12 @@
 """Plans with a spatial part train exactly as one process (gems.pipeline.tiled, gems.spatial).
 
 In process (loopback ranks): a GroupNorm CNN with a 5x5 stride-2 stem, max pooling and residual
-blocks, at sides that are not powers of two, 3 SGD steps; the model's state after them must
-equal one process training on the same global batches (1e-5 relative). Layouts: spatial only
-(K = 1, P = 2 and 4, strips and a 2x2 grid), spatial + mast (P = 2, K = 2: 4 ranks), spatial with
-data parallelism, and a prefix tiled with the rest of stage 0 on the leader.
+blocks, and the zoo's U-Net (long skips, bilinear upsampling, concatenation; per-pixel labels),
+at sides that are not powers of two, 3 SGD steps; the model's state after them must equal one
+process training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
+and 4, strips and a 2x2 grid), spatial + mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the
+tiled stage 0 gathered on the leaders), spatial with data parallelism, and a prefix tiled with the
+rest of stage 0 on the leader.
 """
 from __future__ import annotations
 
@@ -20,28 +22,34 @@ from gems.comm import loopback
 from gems.graph import graph_units
 from gems.spatial import flatten
 from gems.pipeline.topology import ranks_per_group
+from models.unet import UNet
 from spatial_models import GroupNormNet
 
 pytestmark = pytest.mark.timeout(180)
 CLASSES = 5
 
 
-def _data(batch: int, side: int, step: int):
+def _unet() -> nn.Module:
+    return UNet(num_classes=CLASSES, width=4, depth=3, groups=2)
+
+
+def _data(batch: int, side: int, step: int, per_pixel: bool = False):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(batch, 3, side, side, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+    labels = (batch, side, side) if per_pixel else (batch,)
+    return torch.randn(batch, 3, side, side, generator=g), torch.randint(0, CLASSES, labels, generator=g)
 
 
 def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _reference(batch: int, side: int, steps: int):
+def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
     torch.manual_seed(0)
-    model = GroupNormNet(CLASSES)
+    model = net(CLASSES) if net is GroupNormNet else net()
     opt = _optimizer(model.parameters())
     losses = []
     for step in range(steps):
-        x, y = _data(batch, side, step)
+        x, y = _data(batch, side, step, net is not GroupNormNet)
         opt.zero_grad()
         loss = nn.CrossEntropyLoss()(model(x), y)
         loss.backward()
@@ -50,9 +58,10 @@ def _reference(batch: int, side: int, steps: int):
     return model.state_dict(), losses
 
 
-def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False):
+def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
+          net=GroupNormNet):
     torch.manual_seed(0)
-    model = GroupNormNet(CLASSES)
+    model = net(CLASSES) if net is GroupNormNet else net()
     plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
                           split_backward=split)
     plan.spatial_grid = list(grid)
@@ -62,8 +71,8 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
-           split: bool = False):
-    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split)
+           split: bool = False, net=GroupNormNet):
+    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net)
     world = ranks_per_group(K, schedule, grid[0] * grid[1]) * groups
     micro = plan.micro_batch_size
     copies = []
@@ -78,15 +87,15 @@ def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups:
                              loss_fn=nn.CrossEntropyLoss(), comm=comm)
         losses = []
         for step in range(steps):
-            x, y = _data(batch, side, step)
+            x, y = _data(batch, side, step, net is not GroupNormNet)
             losses.append(engine.step(x, y))
         return engine.state_dict(), losses
 
     return loopback.run(world, rank, semantics="nccl", timeout=60.0)
 
 
-def _check(results, batch: int, side: int, steps: int = 3):
-    ref_state, ref_losses = _reference(batch, side, steps)
+def _check(results, batch: int, side: int, steps: int = 3, net=GroupNormNet):
+    ref_state, ref_losses = _reference(batch, side, steps, net)
     state, losses = results[0]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref_state.items():
@@ -112,6 +121,17 @@ def test_spatial_prefix_then_leader():
 def test_spatial_with_mast(split):
     """P = 2, K = 2 under mast: both end positions are tile groups (4 ranks)."""
     _check(_train(36, 4, 2, "mast", (2, 1), split=split), 4, 36)
+
+
+@pytest.mark.parametrize("grid", [(2, 1), (2, 2)])
+def test_a_unet_spatial_only_equals_one_process(grid):
+    """The whole U-Net on one tile group: pooling, upsampling and the skips' concatenations on tiles."""
+    _check(_train(36, 2, 1, "mp", grid, net=_unet), 2, 36, net=_unet)
+
+
+def test_a_unet_spatial_with_mast():
+    """Stage 0's tiled units hand the decoder's long skips to stage 1 through the leaders' gathers."""
+    _check(_train(36, 4, 2, "mast", (1, 2), net=_unet), 4, 36, net=_unet)
 
 
 def test_spatial_with_data_parallelism():

@@ -92,7 +92,6 @@ class GradSync:
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
-        self._params = torch.zeros(0, dtype=dtype, device=device)   # their exchange buffer when sharded
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -112,7 +111,6 @@ class GradSync:
         new values arrive after each step (``apply``)."""
         if not shard or self.group_comm is None:
             return [p for s in self.stages.values() for p in s.parameters()]
-        params = [p for p, _ in self._views]
         n, me = self.group_comm.size, self.group_comm.rank
         owned: list[nn.Parameter] = []
         for mine in self._stage_params.values():
@@ -121,24 +119,20 @@ class GradSync:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {n} ranks: train without --shard-optimizer")
         self._owned = {id(p) for p in owned}
-        self._params = torch.zeros(sum(p.numel() for p in params), dtype=self.bucket.dtype, device=self.bucket.device)
         return owned
 
     @torch.no_grad()
     def _share_params(self) -> None:
-        """Every member's updated parameters to every member: one allreduce of a flat copy in which
-        each parameter is nonzero only on its owner (x + 0 = x: exact)."""
-        self._params.zero_()
-        offset = 0
-        for p, _ in self._views:
+        """Every member's updated parameters to every member: one allreduce of the gradient bucket
+        (free once the step is taken: no buffer of its own) holding each parameter in its gradient's
+        place on its owner and zeros elsewhere (x + 0 = x: exact); ``apply`` zeroes it after."""
+        self.bucket.zero_()
+        for p, view in self._views:
             if id(p) in self._owned:
-                self._params[offset:offset + p.numel()].copy_(p.reshape(-1))
-            offset += p.numel()
-        self.comm.allreduce(self._params, self.group_comm, "the parameter exchange")
-        offset = 0
-        for p, _ in self._views:
-            p.copy_(self._params[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+                view.copy_(p)
+        self.comm.allreduce(self.bucket, self.group_comm, "the parameter exchange")
+        for p, view in self._views:
+            p.copy_(view)
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
