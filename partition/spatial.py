@@ -9,7 +9,7 @@ as usual::
     tiled units       activations, working memory, FLOPs / P (a tile's share, rounded up)
                       + per sliding window the halo rows and columns its tile fetches
                         (``Window.fetched``: kept for backward, and its gradient in backward)
-    the image         full: every member reads the whole batch and cuts its tile out
+    the image         a tile / P: the engine moves only this rank's tile of the batch to the device
     the gathered boundary at ``end``, and all after it: full
     parameters, gradients, optimizer state, buffers: full on every member
 
@@ -104,8 +104,8 @@ def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
     """``prof`` as the leader of ``t``'s tile group holds and computes it (module docstring)."""
     P, end = t.tiles, t.end
 
-    def tiled(s: Storage) -> bool:   # held as tiles: made, read and saved inside, not the image
-        return -1 not in s.boundaries and all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
+    def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside
+        return all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
                      forward_working=_share(u.forward_working, P) + t.halo[i],
                      backward_working=_share(u.backward_working, P) + 2 * t.halo[i],

@@ -52,7 +52,7 @@ def _tiled_run(make, size: tuple[int, int], grid: tuple[int, int], end: int | No
         group = comm.group(list(range(P)))
         tiles = TileGroup(comm, list(range(P)), grid, comm.rank, group)
         stage = tile_stage(u[0:len(u)], 0, end, u.unit_names, tiles, x.shape)
-        o = stage(x)
+        o = stage(tiles.tile(x))
         error = None
         if tiles.leader:
             error = _relative(o, out)

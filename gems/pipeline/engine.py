@@ -117,7 +117,9 @@ class Engine:
         self.stages: dict[int, nn.Sequential] = {
             s: model[plan.cuts[s]:plan.cuts[s + 1]] for s in self.topology.stages_of(comm.rank)}
         policies = {s: plan.policies[s] for s in self.stages}
+        self._cut = None   # a tiled stage 0 takes this rank's tile of the images, cut before the device copy
         if tiles is not None and 0 in self.stages:
+            self._cut = tiles.tile
             self.stages[0] = tiled_stage(self.stages[0], plan, tiles, batches.rows_per_micro)
             policies[0] = member_policy(policies[0], plan.spatial_end) if self.tile else policies[0]
         self.stages = {s: module.to(self.device) for s, module in self.stages.items()}
@@ -139,7 +141,8 @@ class Engine:
         self._losses_here = [(a.replica, a.micro) for a in self.actions
                              if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
-                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile))
+                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile),
+                                 self._cut)
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
                                  key, extras, self.grads.group_comm if plan.shard_optimizer else None)
 
@@ -220,7 +223,7 @@ class Engine:
         if size not in self._forwards:
             self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self.position, self.group,
                                             self.executor.runners, size, self.device, self.autocast,
-                                            self.prefetch, bool(self.tile))
+                                            self.prefetch, bool(self.tile), self._cut)
         return self._forwards[size]
 
     def evaluate(self, batches: Iterable, scores=None, batch_size: int | None = None) -> dict:

@@ -39,11 +39,12 @@ class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
                  grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, member: bool = False) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, member: bool = False, cut=None) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
         # a tile group's member (gems.pipeline.tiled): its stage-0 outputs are placeholders whose
         # backward waits for the tiles' gradients from the leader; it computes no loss
         self.member = member
+        self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
         self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
@@ -97,7 +98,7 @@ class Executor:
         key = _key(a)
         received: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         if a.stage == 0:
-            inputs = (self._images[rows].to(self.device, non_blocking=True),)
+            inputs = (self.cut(self._images[rows]).to(self.device, non_blocking=True),)
         else:
             received = self._inbox.pop((ir.RECV_ACT, key))
             for edge, tensors in received.items():

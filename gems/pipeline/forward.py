@@ -35,12 +35,13 @@ class Forwards:
 
     def __init__(self, comm, topology: Topology, plan, position: int, group: int,
                  runners: dict[int, StageRunner], batch_size: int, device: torch.device,
-                 autocast: torch.dtype | None, prefetch: int, member: bool = False) -> None:
+                 autocast: torch.dtype | None, prefetch: int, member: bool = False, cut=None) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips)
         self.member = member   # a tile group's member: stage 0's tiled forwards only (gems.pipeline.tiled)
+        self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
         self.actions = member_actions(lists[position]) if member else lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
@@ -79,7 +80,7 @@ class Forwards:
                         del outputs[key], left[key]
                 else:
                     rows = self.batches.rows(a.replica, a.micro)
-                    inputs = ((images[rows].to(self.device, non_blocking=True),) if a.stage == 0
+                    inputs = ((self.cut(images[rows]).to(self.device, non_blocking=True),) if a.stage == 0
                               else self.routes.assemble(a.stage, inbox.pop(key), self.device))
                     with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
                         out = self.runners[a.stage].forward(inputs, key, waiting=False)

@@ -2,14 +2,15 @@
 ``TiledUnit``s and gathers what crosses ``end`` on the tile group's leader.
 
     stage = tile_stage(units[0:hi], 0, end, names, tiles, image=(micro, 3, 2048, 2048))
-    leader: stage(images) -> the stage's output;  member: stage(images) -> empty scalars whose
-    backward waits for the tiles' gradients from the leader
+    leader: stage(tiles.tile(images)) -> the stage's output;  member: stage(tiles.tile(images)) ->
+    empty scalars whose backward waits for the tiles' gradients from the leader
 
 A ``TiledUnit`` shares its unit's parameters, buffers and submodules (same state-dict keys, so
 checkpoints stay keyed by ``model.state_dict()``) and runs the unit's graph node by node: tiled
-nodes through their handlers (``gems.spatial.unit``), the rest as they are. The first one cuts
-the image batch into this rank's tile (every member reads the images: no scatter); the last one
-gathers its tiled outputs on the leader (``gems.spatial.tiles.gather``; a replicated one the
+nodes through their handlers (``gems.spatial.unit``), the rest as they are. The stage takes this
+rank's tile of the image batch (``TileGroup.tile``: the engine cuts it before moving it to the
+device, so a device holds its tile of the images only); the last unit gathers its tiled outputs
+on the leader (``gems.spatial.tiles.gather``; a replicated one the
 leader keeps), and only the leader runs the units after it.
 """
 from __future__ import annotations
@@ -33,16 +34,14 @@ class TiledUnit(nn.Module):
     is gathered at, None for a replicated one."""
 
     def __init__(self, unit: nn.Module, flat: fx.GraphModule, tiles: TileGroup, plan: dict[fx.Node, Node],
-                 first: bool, gathers: list[tuple[int, int] | None] | None) -> None:
+                 gathers: list[tuple[int, int] | None] | None) -> None:
         super().__init__()
         object.__setattr__(self, "flat", flat)   # not a child: its modules are ours (same keys)
         self._modules, self._parameters, self._buffers = unit._modules, unit._parameters, unit._buffers
         self.meta = unit.meta
-        self.tiles, self.plan, self.first, self.gathers = tiles, plan, first, gathers
+        self.tiles, self.plan, self.gathers = tiles, plan, gathers
 
     def forward(self, x):
-        if self.first:
-            x = self.tiles.tile(x)
         out = _Tiled(self.flat, self).run(x)
         if self.gathers is None:
             return out
@@ -73,8 +72,9 @@ class _Tiled(fx.Interpreter):
 def tile_stage(stage: nn.Sequential, first: int, end: int, names: Sequence[str], tiles: TileGroup,
                image: Sequence[int]) -> nn.Sequential:
     """``stage`` (units numbered from ``first``, which must be 0: the spatial part starts at the
-    image) with units ``[first, end)`` tiled; on a member of the group, only those. ``names``: the
-    model's unit names; ``image``: the (N, C, H, W) of an image batch (N: any)."""
+    image) with units ``[first, end)`` tiled, taking this rank's tile of the images; on a member of
+    the group, only those units. ``names``: the model's unit names; ``image``: the (N, C, H, W) of
+    a whole image batch (N: any)."""
     units = list(stage.children())
     keys = list(stage._modules)
     spatial = units[:end - first]
@@ -92,7 +92,7 @@ def tile_stage(stage: nn.Sequential, first: int, end: int, names: Sequence[str],
             out = next(n for n in flat.graph.nodes if n.op == "output").args[0]
             outs = out if isinstance(out, (tuple, list)) else (out,)
             gathers = [tuple(shapes[o][2:]) if tiled else None for o, tiled in zip(outs, tiled_out)]
-        made.append(TiledUnit(unit, flat, tiles, plan, first=k == 0, gathers=gathers))
+        made.append(TiledUnit(unit, flat, tiles, plan, gathers=gathers))
         tiled_in = tiled_out
     kept = made + (units[end - first:] if tiles.leader else [])
     return nn.Sequential(OrderedDict(zip(keys, kept)))
