@@ -76,6 +76,7 @@ class GradSync:
         # for backward, and a view of the bucket would share its version counter with the
         # gradients being accumulated, failing autograd's in-place check.
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._offsets: dict[int, int] = {}   # id(parameter) -> where its gradient starts in the bucket
         self._stage_params = {s: [p for (t, _), ps in params.items() if t == s for p in ps]
                               for s in stages}   # per stage, in bucket order
         offset = 0
@@ -86,12 +87,14 @@ class GradSync:
                 view = self.bucket[offset:offset + p.numel()].view_as(p)
                 p.grad = view
                 self._views.append((p, view))
+                self._offsets[id(p)] = offset
                 offset += p.numel()
             offset += n_stats
         self._stats_before = torch.empty(sum(n for _, n in sizes.values()), dtype=dtype, device=device)
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
+        self._runs: list[tuple[int, torch.Tensor]] = []   # (owner's world rank, its run of the bucket) when sharded
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -114,7 +117,13 @@ class GradSync:
         n, me = self.group_comm.size, self.group_comm.rank
         owned: list[nn.Parameter] = []
         for mine in self._stage_params.values():
-            owned += mine[slice(*_share(mine, n)[me:me + 2])]
+            bounds = _share(mine, n)
+            owned += mine[bounds[me]:bounds[me + 1]]
+            for k in range(n):   # a run of whole parameters is a contiguous piece of the stage's gradients
+                run = mine[bounds[k]:bounds[k + 1]]
+                if run:
+                    lo, hi = self._offsets[id(run[0])], self._offsets[id(run[-1])] + run[-1].numel()
+                    self._runs.append((self.group_comm.ranks[k], self.bucket[lo:hi]))
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {n} ranks: train without --shard-optimizer")
@@ -123,14 +132,16 @@ class GradSync:
 
     @torch.no_grad()
     def _share_params(self) -> None:
-        """Every member's updated parameters to every member: one allreduce of the gradient bucket
-        (free once the step is taken: no buffer of its own) holding each parameter in its gradient's
-        place on its owner and zeros elsewhere (x + 0 = x: exact); ``apply`` zeroes it after."""
-        self.bucket.zero_()
+        """Every member's updated parameters to every member, through the gradient bucket (free
+        once the step is taken: no buffer of its own): each owner writes its parameters in their
+        gradients' places and broadcasts its run of them (each value crosses once, half an
+        allreduce's traffic); ``apply`` zeroes the bucket after."""
         for p, view in self._views:
             if id(p) in self._owned:
                 view.copy_(p)
-        self.comm.allreduce(self.bucket, self.group_comm, "the parameter exchange")
+        requests = [self.comm.ibroadcast(run, owner, self.group_comm) for owner, run in self._runs]
+        for req in requests:
+            self.comm.wait(req, "the parameter exchange")
         for p, view in self._views:
             p.copy_(view)
 
