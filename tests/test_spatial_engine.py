@@ -4,7 +4,8 @@ In process (loopback ranks): a GroupNorm CNN with a 5x5 stride-2 stem, max pooli
 blocks, and the zoo's U-Net (long skips, bilinear upsampling, concatenation; per-pixel labels),
 at sides that are not powers of two, 3 SGD steps; the model's state after them must equal one
 process training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
-and 4, strips and a 2x2 grid), spatial + mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the
+and 4, strips and a 2x2 grid), spatial + gpipe and 1f1b (P = 2, K = 2, m = 2: 3 ranks), spatial +
+mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the
 tiled stage 0 gathered on the leaders), spatial with data parallelism, and a prefix tiled with the
 rest of stage 0 on the leader.
 """
@@ -59,11 +60,11 @@ def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
 
 
 def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
-          net=GroupNormNet):
+          net=GroupNormNet, m: int = 1):
     torch.manual_seed(0)
     model = net(CLASSES) if net is GroupNormNet else net()
     plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
-                          split_backward=split)
+                          split_backward=split, micro_batches=m)
     plan.spatial_grid = list(grid)
     plan.spatial_end = plan.cuts[1] if end is None else end
     plan.check()
@@ -71,8 +72,8 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
-           split: bool = False, net=GroupNormNet):
-    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net)
+           split: bool = False, net=GroupNormNet, m: int = 1):
+    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net, m)
     world = ranks_per_group(K, schedule, grid[0] * grid[1]) * groups
     micro = plan.micro_batch_size
     copies = []
@@ -132,6 +133,12 @@ def test_a_unet_spatial_only_equals_one_process(grid):
 def test_a_unet_spatial_with_mast():
     """Stage 0's tiled units hand the decoder's long skips to stage 1 through the leaders' gathers."""
     _check(_train(36, 4, 2, "mast", (1, 2), net=_unet), 4, 36, net=_unet)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_spatial_with_one_replica_pipelines(schedule):
+    """P = 2, K = 2, two micro-batches: position 0 a tile group, position 1 one rank (3 ranks)."""
+    _check(_train(36, 4, 2, schedule, (2, 1), m=2), 4, 36)
 
 
 def test_spatial_with_data_parallelism():
