@@ -5,9 +5,8 @@ blocks, and the zoo's U-Net (long skips, bilinear upsampling, concatenation; per
 at sides that are not powers of two, 3 SGD steps; the model's state after them must equal one
 process training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
 and 4, strips and a 2x2 grid), spatial + gpipe and 1f1b (P = 2, K = 2, m = 2: 3 ranks), spatial +
-mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the
-tiled stage 0 gathered on the leaders), spatial with data parallelism, and a prefix tiled with the
-rest of stage 0 on the leader.
+mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the tiled stage 0 gathered on the leaders),
+spatial with data parallelism, and a prefix tiled with the rest of stage 0 on the leader.
 """
 from __future__ import annotations
 
