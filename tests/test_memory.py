@@ -85,10 +85,12 @@ def test_training_tensors_are_parameters_gradients_buffers_and_optimizer_state()
     assert memory.storage_bytes(memory.training_tensors([model], optimizer, extra)) == 3 * params + buffers + 40
 
 
-def test_estimate_error_and_kind():
+def test_estimate_error_kind_and_place():
     assert memory.estimate_error(100, 110) == "+10.0%"
     assert memory.estimate_error(0, 5) == "n/a"
     assert "allocator" in memory.kind(CPU)
+    assert memory.place(1, 0) == "position 1"
+    assert memory.place(0, 2) == "position 0, tile 2; the leader's estimate"   # a tile group's member
 
 
 SUMMARY = re.compile(r"rank (\d) \(position (\d)\): ([\d.]+) (KiB|MiB|GiB) measured, ([\d.]+) (KiB|MiB|GiB) "

@@ -192,6 +192,13 @@ def estimate_error(measured: int, estimated: int) -> str:
     return f"{estimated / measured - 1:+.1%}" if measured else "n/a"
 
 
+def place(position: int, tile: int) -> str:
+    """Where a rank's measured memory sits, for reports: "position r", or for a tile group's member
+    "position r, tile t; the leader's estimate" (the plan prices a position by its leader, which
+    holds the most: the gathered boundary and the untiled rest of stage 0)."""
+    return f"position {position}" + (f", tile {tile}; the leader's estimate" if tile else "")
+
+
 def kind(device: torch.device) -> str:
     """What ``PeakMeter`` measures on ``device``, for reports."""
     if device.type == "cuda":

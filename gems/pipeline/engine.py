@@ -86,7 +86,7 @@ class Engine:
                  timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
         check_mode(batch_norm)
-        check_spatial(plan, batch_norm)
+        check_spatial(plan.tiles, plan.shard_optimizer, batch_norm)
         if not isinstance(model, GraphUnits):   # any nn.Module: the plan's chain of units
             model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
         if plan.cuts[-1] != len(model) or getattr(model, "unit_names", plan.unit_names) != plan.unit_names:

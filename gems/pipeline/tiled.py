@@ -32,11 +32,11 @@ class NoMessages:
         pass
 
 
-def check_spatial(plan, batch_norm: str) -> None:
-    """GemsError for what a spatial part does not combine with yet."""
-    if not plan.spatial_grid:
+def check_spatial(tiles: int, shard_optimizer: bool, batch_norm: str) -> None:
+    """GemsError for what a spatial part (tile groups of ``tiles`` ranks; 1: none) does not combine with yet."""
+    if tiles == 1:
         return
-    if plan.shard_optimizer:
+    if shard_optimizer:
         raise GemsError("a plan with a spatial part cannot shard the optimizer (its stages sync over different "
                         "groups): train without --shard-optimizer")
     if batch_norm == "deferred":

@@ -33,6 +33,9 @@ MODEL_HELP = ("a gems.models name (resnet50, preact-resnet1001, amoebanet-d, ...
 MODEL_ARG_HELP = ("a keyword argument for the model's builder, KEY=VALUE (repeatable); VALUE is read as a Python "
                   "literal (3, 0.1, True, None, (1, 2)) when it is one, else as text")
 
+SPATIAL_HELP = ("split each image of stage 0's first units across P ranks (a number, or a RxC grid) at each position "
+                "holding stage 0; world = groups x (stages + (P-1) x those positions)")
+
 
 def model_kwargs(pairs: Iterable[str]) -> dict[str, Any]:
     """``--model-arg`` values (``"drop_path_rate=0.1"``) as builder keyword arguments. A value is
@@ -89,9 +92,7 @@ class TrainConfig:
                                       "weight-gradients filling pipeline bubbles (zero-bubble style)")
     shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
                                        "the parameters and keeps only their optimizer state")
-    spatial: str | None = opt(None, "split each image of stage 0's first units across P ranks (a number, or a "
-                                    "RxC grid) at each position holding stage 0; world = groups x (stages + "
-                                    "(P-1) x those positions)")
+    spatial: str | None = opt(None, SPATIAL_HELP)
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")

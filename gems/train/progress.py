@@ -143,9 +143,7 @@ class Progress:
         return self.engine.topology.place(rank)[1]
 
     def _where(self, rank: int) -> str:
-        """"position r", or for a tile group's member "position r, tile t" (priced as its leader)."""
-        _, position, tile = self.engine.topology.place(rank)
-        return f"position {position}" + (f", tile {tile}; the leader's estimate" if tile else "")
+        return memory.place(*self.engine.topology.place(rank)[1:])
 
 
 def _finite(value):
