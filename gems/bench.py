@@ -27,6 +27,14 @@ run at full size): C logits per image get class labels, C x H x W (any spatial d
 per-pixel class masks of the output's size -- a segmentation model; either way the loss is
 gems-train's cross-entropy for that task (``gems.train.losses``), the reference's too.
 
+Spatial parallelism (``--spatial P|RxC``): every schedule's plan gets a spatial part (grid and end
+picked per schedule, as for gems-train), so its group is K + (P-1) x (positions holding stage 0)
+ranks and D the world over that; without ``--stages``, K = 1. The world counts every rank, a tile
+group's members too: efficiency is images/s over world x the unpartitioned rank's, since each
+member could have run the reference; halos, gathers and members idle past the tiled units show
+as lower efficiency and a larger bubble. Stage times come from the leaders (a member's stage-0
+spans cover its tiles only); a member's memory is set beside its leader's estimate.
+
 Micro-batches: ``mp`` always runs one; by default the others use micro-batches of one image
 per group and replica (batch 2 on 2 ranks: gpipe/1f1b m = 2, mast m = 1 per replica), so
 every schedule except mp handles the same micro-batch size.
@@ -36,6 +44,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import os
 import statistics
 import time
@@ -51,7 +60,9 @@ from gems.obs import memory, trace
 from gems.pipeline import schedule as sch
 from gems.pipeline import simulate
 from gems.pipeline.loss import SumLoss, batch_mean
-from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, model_kwargs, opt
+from gems.pipeline.tiled import check_spatial
+from gems.pipeline.topology import ranks_per_group
+from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, model_kwargs, opt, tile_count
 from gems.train.losses import make_loss
 
 
@@ -66,7 +77,8 @@ class BenchConfig:
     warmup: int = opt(2, "steps run before measuring (allocator, caches, first messages)")
     micro_batches: int | None = opt(None, "micro-batches per replica for gpipe/1f1b/mast (mp always 1); "
                                           "default: micro-batches of one image")
-    stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group)")
+    stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group; with --spatial: 1)")
+    spatial: str | None = opt(None, SPATIAL_HELP)
     split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions")
     shard_optimizer: bool = opt(False, "share the optimizer step and state across each sync group")
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
@@ -90,8 +102,22 @@ class BenchConfig:
                             f"got {self.schedules!r}")
         return names
 
+    def tiles(self) -> int:
+        """P, the ranks of a tile group (1 without --spatial); GemsError unless P or RxC."""
+        return tile_count(self.spatial, "gems-bench")
+
+    def stage_count(self, world: int) -> int:
+        """K: --stages, else one group of all ranks (with --spatial: 1, every group one tile group)."""
+        return self.stages or (1 if self.spatial else world)
+
+    def group_count(self, world: int, name: str) -> int:
+        """D of schedule ``name``: the world over its ranks per group (K, plus P-1 per tile group)."""
+        return world // ranks_per_group(self.stage_count(world), name, self.tiles())
+
     def validate(self, world: int) -> None:
         self.schedule_list()
+        P = self.tiles()
+        check_spatial(P, self.shard_optimizer, "micro-batch")   # what the engine refuses, before it starts
         model_kwargs(self.model_arg)
         for name in ("image_size", "batch_size", "steps", "num_classes"):
             if getattr(self, name) < 1:
@@ -100,16 +126,24 @@ class BenchConfig:
             raise GemsError(f"--warmup cannot be negative, got {self.warmup}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise GemsError(f"--micro-batches must be at least 1, got {self.micro_batches}")
-        K = self.stages or world
-        if K < 1 or world % K:
+        K = self.stage_count(world)
+        if K < 1 or (P == 1 and world % K):
             raise GemsError(f"--stages {K} does not divide the {world} ranks: use a divisor of {world}")
+        sizes = {name: ranks_per_group(K, name, P) for name in self.schedule_list()}
+        if any(world % size for size in sizes.values()):
+            by_size = [f"{size} ranks ({', '.join(n for n in sizes if sizes[n] == size)})"
+                       for size in sorted(set(sizes.values()))]
+            raise GemsError(f"--spatial {self.spatial} at --stages {K} takes groups of {' and '.join(by_size)}, "
+                            f"which {world} ranks cannot form: launch a multiple of {math.lcm(*sizes.values())} "
+                            f"ranks" + (" or benchmark these schedules separately" if len(by_size) > 1 else ""))
         if self.lr <= 0 or self.timeout <= 0:
             raise GemsError("--lr and --timeout must be positive")
         for name in self.schedule_list():
-            m = micro_batches_for(self, name, world // K)
-            parts = world // K * sch.replicas(name) * m
+            groups = self.group_count(world, name)
+            m = micro_batches_for(self, name, groups)
+            parts = groups * sch.replicas(name) * m
             if self.batch_size % parts:
-                raise GemsError(f"--batch-size {self.batch_size} does not split into {world // K} group(s) x "
+                raise GemsError(f"--batch-size {self.batch_size} does not split into {groups} group(s) x "
                                 f"{sch.replicas(name)} replica(s) x {m} micro-batch(es) for {name}: "
                                 f"use a multiple of {parts}")
 
@@ -213,9 +247,13 @@ def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss
 @dataclass
 class ScheduleResult:
     schedule: str
+    groups: int                       # D: the world over this schedule's ranks per group
     micro_batches: int
     micro_batch_size: int
     cuts: list[int]
+    spatial_grid: list[int]           # rows, cols of the tile grid; empty without a spatial part
+    spatial_end: int                  # the spatial part is stage 0's units [0, spatial_end)
+    placement: list[list[int]]        # per rank: group, position, tile (0: not a tile group's member)
     step_time: float                  # median seconds over measured steps (slowest rank)
     images_per_s: float
     bubble: float                     # median over steps
@@ -249,11 +287,12 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     """COLLECTIVE: train ``name`` for warmup + steps steps; every rank returns the result."""
     from gems.pipeline.engine import Engine  # noqa: PLC0415
 
-    groups = comm.size // K
+    groups = cfg.group_count(comm.size, name)
     m = micro_batches_for(cfg, name, groups)
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
-                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer)
+                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
+                          spatial=cfg.spatial)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)
@@ -274,11 +313,12 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     ranks = [g[0] for g in gathered]
     if cfg.trace_dir and comm.rank == 0:
         meta = {"schedule": name, "model": cfg.model, "image": cfg.image_size, "batch": cfg.batch_size,
-                "K": K, "m": m}
+                "K": K, "m": m, "tiles": plan.tiles}
         trace.write_json(Path(cfg.trace_dir) / f"{name}.json", ranks, meta)
         if trace.have_matplotlib():
             last = [trace.RankTimeline(r.rank, r.group, r.position, r.steps[-1:]) for r in ranks]
             trace.write_png(Path(cfg.trace_dir) / f"{name}.png", last, trace.title(meta))
+    placement = [list(engine.topology.place(rank)) for rank in range(comm.size)]
     del engine, recorder
     gc.collect()
 
@@ -287,11 +327,12 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     for i, wall in enumerate(step_times):
         busy = sum(trace.busy_seconds(r.steps[i].spans) for r in ranks)
         bubbles.append(1.0 - busy / (comm.size * wall))
-    forward = _stage_medians(ranks, sch.FORWARD, K)
-    backward = _stage_medians(ranks, sch.BACKWARD, K)
+    leaders = [r for r in ranks if placement[r.rank][2] == 0]   # a member's stage-0 spans are its tiles only
+    forward = _stage_medians(leaders, sch.FORWARD, K)
+    backward = _stage_medians(leaders, sch.BACKWARD, K)
     share = None
     if cfg.split_backward:   # the halves' medians, and the input half's share of their sum
-        halves = _stage_medians(ranks, sch.BACKWARD_INPUT, K), _stage_medians(ranks, sch.BACKWARD_WEIGHT, K)
+        halves = _stage_medians(leaders, sch.BACKWARD_INPUT, K), _stage_medians(leaders, sch.BACKWARD_WEIGHT, K)
         backward = [i + w for i, w in zip(*halves)]
         share = [i / b if b > 0 else 0.5 for i, b in zip(halves[0], backward)]
     optimizer = max(statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
@@ -303,7 +344,8 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer, cfg.split_backward).step_time
     step = statistics.median(step_times)
     return ScheduleResult(
-        schedule=name, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),
+        schedule=name, groups=groups, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),
+        spatial_grid=list(plan.spatial_grid), spatial_end=plan.spatial_end, placement=placement,
         step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
         peak_memory=[g[2] for g in gathered], plan_memory=[plan.positions[r.position].peak_bytes for r in ranks],
         stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted)
@@ -314,7 +356,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     cfg.validate(comm.size)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other work skews timings
     names = cfg.schedule_list()
-    K = cfg.stages or comm.size
+    K = cfg.stage_count(comm.size)
     if cfg.trace_dir and comm.rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
     device = comm.device   # placed by gems.comm (CUDA_VISIBLE_DEVICES and per-task GPUs respected)
@@ -341,7 +383,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         r.efficiency = r.images_per_s / (comm.size * ref["images_per_s"]) if ref else None
     report = {
         "config": asdict(cfg), "task": asdict(task), "world": comm.size, "load_average": load, "stages": K,
-        "groups": comm.size // K,
+        "tiles": cfg.tiles(),
         "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
         "network": {"latency": network.latency, "bandwidth": network.bandwidth},
         "reference": ref,

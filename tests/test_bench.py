@@ -1,7 +1,7 @@
 """gems-bench: per-schedule micro-batch choice, input checks, targets and loss from the model's
 output (labels or per-pixel masks), a 2-rank run on a tiny model that prints every schedule and
-writes well-formed JSON and traces, and an in-process run of a segmentation model (no timing
-assertions)."""
+writes well-formed JSON and traces, one with a spatial part (tile groups of 2 ranks, K = 1), and
+an in-process run of a segmentation model (no timing assertions)."""
 from __future__ import annotations
 
 import json
@@ -39,10 +39,22 @@ def test_default_micro_batches_hold_one_image():
     ({"batch_size": 3}, 2, "does not split"),
     ({"batch_size": 2, "micro_batches": 2}, 2, "does not split"),
     ({"warmup": -1}, 2, "--warmup"),
+    ({"spatial": "3"}, 2, r"--spatial 3 at --stages 1 takes groups of 3 ranks \(mp, gpipe, 1f1b, mast\), which 2 "
+                          "ranks cannot form: launch a multiple of 3 ranks$"),
+    ({"spatial": "2", "stages": 2}, 6, r"3 ranks \(mp, gpipe, 1f1b\) and 4 ranks \(mast\).*multiple of 12 ranks"),
+    ({"spatial": "2", "batch_size": 3}, 4, "does not split into 2 group"),
+    ({"spatial": "auto"}, 2, "needs the tile count"),
+    ({"spatial": "2", "shard_optimizer": True}, 2, "cannot shard the optimizer"),
 ])
 def test_bad_input_names_the_fix(kw, world, message):
     with pytest.raises(GemsError, match=message):
         BenchConfig(**kw).validate(world)
+
+
+def test_spatial_groups_count_tile_groups():
+    cfg = BenchConfig(spatial="2", stages=2)
+    assert [cfg.group_count(12, s) for s in ("mp", "mast")] == [4, 3]   # groups of 3 and 4 ranks
+    assert BenchConfig(spatial="2").stage_count(4) == 1 and BenchConfig().stage_count(4) == 4
 
 
 def command() -> list:
@@ -58,13 +70,14 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
     for name in ("mp", "gpipe", "1f1b", "mast", "reference", "simulator", "physical limit"):
         assert name in table, table
     report = json.loads(out.read_text())
-    assert set(report) >= {"config", "world", "stages", "groups", "threads", "network", "reference", "schedules"}
-    assert report["world"] == 2 and report["threads"] == 1
+    assert set(report) >= {"config", "world", "stages", "tiles", "threads", "network", "reference", "schedules"}
+    assert report["world"] == 2 and report["threads"] == 1 and report["tiles"] == 1
     assert list(report["schedules"]) == ["mp", "gpipe", "1f1b", "mast"]
     expected_m = {"mp": 1, "gpipe": 2, "1f1b": 2, "mast": 1}
     for name, r in report["schedules"].items():
         assert r["micro_batches"] == expected_m[name]
         assert r["micro_batch_size"] == (2 if name == "mp" else 1)
+        assert r["groups"] == 1 and r["spatial_grid"] == [] and r["placement"] == [[0, 0, 0], [0, 1, 0]]
         for key in ("step_time", "images_per_s", "ratio_to_mp", "efficiency", "predicted_step_time",
                     "optimizer_time"):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
@@ -79,6 +92,38 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
     assert report["reference"]["peak_memory"] > 0 and report["reference"]["plan_memory"] > 0
     memory_cells = re.findall(r"\d+\.\d\d [KMG]iB / \d+\.\d\d [KMG]iB \([+-]\d+\.\d%\)", table)
     assert len(memory_cells) == 4 * 2 + 1, table   # measured / estimated (error): per schedule and rank, reference
+
+
+def test_two_ranks_run_a_spatial_plan_and_name_the_tile_member(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_mpi(2, *command(), "--model", TINY, "--image-size", "32", "--batch-size", "2", "--steps", "1",
+                     "--warmup", "0", "--schedules", "mp", "--spatial", "2", "--json", out, timeout=120)
+    table = result.stdout
+    assert "--spatial 2: stage 0's first units on tile groups of 2 ranks" in table, table
+    report = json.loads(out.read_text())
+    assert report["stages"] == 1 and report["tiles"] == 2 and report["config"]["spatial"] == "2"
+    r = report["schedules"]["mp"]
+    assert r["groups"] == 1 and r["spatial_grid"] == [2, 1] and 0 < r["spatial_end"] <= 5
+    assert r["placement"] == [[0, 0, 0], [0, 0, 1]]   # rank 1 is the member of rank 0's tile group
+    assert len(r["stage_forward"]) == 1 and len(r["peak_memory"]) == len(r["plan_memory"]) == 2
+    assert math.isfinite(r["efficiency"]) and r["efficiency"] > 0 and min(r["peak_memory"]) > 0
+    assert re.search(rf"^mp\s+1\s+1\s+2\s+0,5\s+2x1 \[0,{r['spatial_end']}\)\s", table, re.M), table
+    assert re.search(r"^\s+position 0\s+position 0, tile 1; the leader's estimate$", table, re.M), table
+
+
+def test_spatial_on_too_few_ranks_is_one_sentence_and_exit_2():
+    result = run_mpi(2, *command(), "--model", TINY, "--image-size", "32", "--spatial", "3", timeout=60, check=False)
+    assert result.returncode == 2 and result.stdout == "", result.tail()
+    assert result.stderr.strip() == ("gems-bench: error: --spatial 3 at --stages 1 takes groups of 3 ranks (mp, gpipe, "
+                                     "1f1b, mast), which 2 ranks cannot form: launch a multiple of 3 ranks")
+
+
+def test_spatial_auto_is_refused_in_one_sentence():
+    result = subprocess.run([sys.executable, "-m", "gems.cli.bench", "--spatial", "auto"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("gems-bench: error: gems-bench needs the tile count before planning: pass "
+                                     "--spatial P or RxC (gems-plan --spatial auto finds one)")
 
 
 def test_bad_flag_value_is_one_line_and_exit_2():

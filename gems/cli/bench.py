@@ -5,6 +5,11 @@ Two ranks, one thread each (the figures of the GEMS-MAST issue)::
     OMP_NUM_THREADS=1 mpiexec -n 2 gems-bench --model resnet18 --image-size 512 --batch-size 2 \\
         --schedules mp,gpipe,1f1b,mast --steps 10 --warmup 2 --json bench.json --trace-dir traces/
 
+Spatial parallelism: ``--spatial 2`` runs every schedule with stage 0's first units on tile groups
+of 2 ranks (world = groups x (stages + (P-1) x positions holding stage 0); K defaults to 1)::
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 gems-bench --model resnet18 --image-size 512 --schedules mp --spatial 2
+
 Prints images/s, the ratio to mp, efficiency against world x one unpartitioned rank, the bubble
 fraction, the simulator's prediction from the measured stage times, and peak memory per rank
 (measured and planned). See ``gems.bench`` for how each figure is defined.

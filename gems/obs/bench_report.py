@@ -14,23 +14,26 @@ def _ms(seconds: float) -> str:
 def table(report: dict) -> str:
     """The human-readable report: throughput, simulator and memory tables."""
     cfg, ref = report["config"], report["reference"]
-    K, D, W = report["stages"], report["groups"], report["world"]
+    K, W = report["stages"], report["world"]
     net, task = report["network"], report["task"]
     targets = "per-pixel masks" if task["name"] == "segmentation" else "labels"
     lines = [f"gems-bench: {cfg['model']} {cfg['image_size']}x{cfg['image_size']}, batch {cfg['batch_size']}, "
              f"{task['name']} ({task['classes']} classes, synthetic {targets}, cross-entropy), "
-             f"K={K}, D={D}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
+             f"K={K}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
              f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
              + ("; backward split" if cfg.get("split_backward") else "")
+             + (f"; --spatial {cfg['spatial']}: stage 0's first units on tile groups of {report['tiles']} ranks, "
+                f"all {W} ranks counted in the physical limit" if cfg.get("spatial") else "")
              + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
     if ref:
         lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
                      f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
                      f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
-    rows = [["schedule", "m", "images/mb", "cuts", "step ms", "images/s", "vs mp", "efficiency", "bubble"]]
+    rows = [["schedule", "D", "m", "images/mb", "cuts", "tiles, units", "step ms", "images/s", "vs mp", "efficiency",
+             "bubble"]]
     for r in report["schedules"].values():
-        rows.append([r["schedule"], str(r["micro_batches"]), str(r["micro_batch_size"]),
-                     ",".join(map(str, r["cuts"])), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
+        rows.append([r["schedule"], str(r["groups"]), str(r["micro_batches"]), str(r["micro_batch_size"]),
+                     ",".join(map(str, r["cuts"])), _tiles(r), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
                      "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
                      "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
     lines += ["", *_grid(rows)]
@@ -43,15 +46,26 @@ def table(report: dict) -> str:
                      _ms(r["optimizer_time"]), _ms(r["predicted_step_time"]), _ms(r["step_time"]),
                      f"{r['simulator_error']:+.1%}"])
     lines += _grid(rows)
+    where = "; under a spatial run, where each rank sits" if cfg.get("spatial") else ""
     lines += ["", f"peak memory per rank over one more step, measured ({report['memory_kind']}) / plan estimate "
-                  "(the estimate's error)"]
+                  f"(the estimate's error){where}"]
     rows = [["schedule", *(f"rank {i}" for i in range(W))]]
     for r in report["schedules"].values():
         rows.append([r["schedule"], *(_memory_cell(a, b) for a, b in zip(r["peak_memory"], r["plan_memory"]))])
+        if r["spatial_grid"]:
+            rows.append(["", *(memory.place(position, tile) for _, position, tile in r["placement"])])
     if ref:
         rows.append(["reference", _memory_cell(ref["peak_memory"], ref["plan_memory"]), *(["-"] * (W - 1))])
     lines += _grid(rows)
     return "\n".join(lines)
+
+
+def _tiles(result: dict) -> str:
+    """"2x1 [0,5)": the tile grid and the units it runs, "-" without a spatial part."""
+    if not result["spatial_grid"]:
+        return "-"
+    rows, cols = result["spatial_grid"]
+    return f"{rows}x{cols} [0,{result['spatial_end']})"
 
 
 def _memory_cell(measured: int, estimated: int) -> str:
