@@ -174,7 +174,8 @@ class TrainConfig:
         if not -2**63 <= self.seed < 2**63:
             raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
         if self.spatial is not None:
-            self.tiles()
+            from gems.pipeline.tiled import check_spatial  # noqa: PLC0415 - what the engine refuses, before it starts
+            check_spatial(self.tiles(), self.shard_optimizer, self.batch_norm)
         if self.steps is not None and self.epochs is not None:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
