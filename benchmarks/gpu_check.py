@@ -9,6 +9,8 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
    synchronize inside a step, the budget enforced through the allocator's fraction.
 2. gems-train, resnet50 at 2048², K=2 mast on two ranks sharing GPU 0 (``--allow-shared-gpu``),
    and gems-bench on the same layout for images/s and the bubble.
+   gems-train with ``--spatial 2`` at K=1 (each image's tiles on the two ranks: halo exchanges
+   and group sums on CUDA), memory per rank against the estimate.
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
 
 The report (Markdown, and JSON beside it) holds what each part measured, copied from the real
@@ -111,7 +113,7 @@ def gpu_tests(figures_file: Path) -> dict:
 def train_summary(stdout: str) -> dict:
     """images/s and per-rank memory from gems-train's summary."""
     found = re.search(r"throughput\s+([\d.]+) images/s", stdout)
-    ranks = re.findall(r"rank (\d+) \(position \d+\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated \(([^)]*)\)",
+    ranks = re.findall(r"rank (\d+) \(position [^)]*\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated \(([^)]*)\)",
                        stdout)
     return {"images_per_s": float(found.group(1)) if found else None,
             "memory": [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in ranks]}
@@ -131,6 +133,10 @@ def pipelines(mpiexec: str, gpus: int, work: Path) -> list[dict]:
         bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory")}
                          for r in rows]
     parts.append({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
+    spatial = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT[:-1], "1", "--schedule", "mp", "--spatial",
+                   "2", "--steps", "4", *shared], timeout=1800)
+    parts.append({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
+                  **train_summary(spatial["stdout"])})
     if gpus >= 2:
         nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
                     "--comm", "torch", "--workers", "0", "--no-progress"], timeout=1800)

@@ -8,6 +8,7 @@ that gpu_check.py can put them in its report.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -18,9 +19,11 @@ from torch import nn
 
 from gems import models, partition
 from gems.comm import loopback
+from gems.graph import graph_units
 from gems.obs.memory import PeakMeter
 from gems.pipeline.engine import Engine
 from gems.pipeline.oom import OutOfMemory
+from gems.spatial import flatten
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by make gpu-check)")]
@@ -191,3 +194,39 @@ def test_offload_gives_the_same_gradients_and_hides_its_copies():
            step_offload_waiting=t_wait, hidden=hidden)
     assert hidden >= 0.7, f"offload hid {hidden:.0%} of its copy time (none {t_none:.3f} s, " \
                           f"async {t_async:.3f} s, waiting {t_wait:.3f} s)"
+
+
+def test_spatial_tiles_on_cuda_train_like_one_process():
+    """resnet18's conv trunk on a 2x1 tile grid of two loopback ranks sharing cuda:0 (K = 1): halo
+    exchanges, group sums and the gather on CUDA tensors; three SGD steps equal one rank's
+    (float32 convolutions: TF32 off, which would round tiles and whole images differently)."""
+    side, classes = 256, 10
+    torch.manual_seed(0)
+    model = models.build("resnet18", num_classes=classes)
+    whole = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda")
+    plan = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda",
+                          spatial=(2, 1))
+    images = [batch(2, side, classes, seed=s) for s in range(3)]
+
+    def train(comm, units, chosen):   # a small learning rate: resnet18 at batch 2 amplifies rounding at 0.01
+        engine = Engine(units, chosen, lambda p: torch.optim.SGD(p, lr=0.001, momentum=0.9), nn.CrossEntropyLoss(),
+                        comm=comm, device=DEVICE)
+        return [engine.step(x, y) for x, y in images], engine.state_dict()
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = one_rank(train, copy.deepcopy(model), whole)
+        copies = [graph_units(copy.deepcopy(model), (3, side, side), 2) for _ in range(2)]
+        for units in copies:   # traced in this thread: fx patches nn.Module while tracing
+            for unit in units:
+                flatten(unit)
+        tiled = loopback.run(2, lambda comm: train(comm, copies[comm.rank], plan), timeout=600, semantics="nccl")
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    (ref_losses, ref_state), (losses, state) = reference, tiled[0]
+    report(test="spatial", grid="2x1", losses=losses, reference_losses=ref_losses)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for key, value in ref_state.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5 * value.abs().max().item(), msg=key)
