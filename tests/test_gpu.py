@@ -24,6 +24,7 @@ from gems.obs.memory import PeakMeter
 from gems.pipeline.engine import Engine
 from gems.pipeline.oom import OutOfMemory
 from gems.spatial import flatten
+from spatial_models import GroupNormNet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by make gpu-check)")]
@@ -197,19 +198,21 @@ def test_offload_gives_the_same_gradients_and_hides_its_copies():
 
 
 def test_spatial_tiles_on_cuda_train_like_one_process():
-    """resnet18's conv trunk on a 2x1 tile grid of two loopback ranks sharing cuda:0 (K = 1): halo
-    exchanges, group sums and the gather on CUDA tensors; three SGD steps equal one rank's
-    (float32 convolutions: TF32 off, which would round tiles and whole images differently)."""
-    side, classes = 256, 10
+    """A GroupNorm CNN (5x5 stride-2 stem, max pooling, residual blocks) on a 2x1 tile grid of two
+    loopback ranks sharing cuda:0, K = 1: halo exchanges, group sums and the gather on CUDA
+    tensors; three SGD steps equal one rank's (float32 convolutions: TF32 off, which would round
+    tiles and whole images differently). Not resnet18 at batch 2: its gradients move by 7% for a
+    1e-7 change of the input (BatchNorm over two images, max-pooling ties), in one process too."""
+    side, classes = 100, 5
     torch.manual_seed(0)
-    model = models.build("resnet18", num_classes=classes)
+    model = GroupNormNet(classes)
     whole = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda")
     plan = partition.plan(model, (3, side, side), batch_size=2, stages=1, schedule="mp", device="cuda",
                           spatial=(2, 1))
     images = [batch(2, side, classes, seed=s) for s in range(3)]
 
-    def train(comm, units, chosen):   # a small learning rate: resnet18 at batch 2 amplifies rounding at 0.01
-        engine = Engine(units, chosen, lambda p: torch.optim.SGD(p, lr=0.001, momentum=0.9), nn.CrossEntropyLoss(),
+    def train(comm, units, chosen):
+        engine = Engine(units, chosen, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), nn.CrossEntropyLoss(),
                         comm=comm, device=DEVICE)
         return [engine.step(x, y) for x, y in images], engine.state_dict()
 
@@ -226,7 +229,7 @@ def test_spatial_tiles_on_cuda_train_like_one_process():
         torch.backends.cudnn.allow_tf32 = tf32
     (ref_losses, ref_state), (losses, state) = reference, tiled[0]
     report(test="spatial", grid="2x1", losses=losses, reference_losses=ref_losses)
-    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
     for key, value in ref_state.items():
         if value.is_floating_point():
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5 * value.abs().max().item(), msg=key)
+            torch.testing.assert_close(state[key].cpu(), value.cpu(), rtol=1e-5, atol=1e-6 * value.abs().max().item())
