@@ -254,7 +254,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
         except GemsError:
             continue
         r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
-                     p.groups, split=p.split_backward)
+                     p.groups, split=p.split_backward, shard=p.shard_optimizer)
         mark = "  <- this plan" if p is chosen else ""
         lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
                      f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")

@@ -15,7 +15,9 @@ lists the engine runs, so there is one source of truth for every schedule:
                          reduce is done, while the members compute on
     sync                 waits for the position's reduces; all ranks of the group finish
                          together, when the last of them is done
-    step                 ``optimizer_time``
+    step                 ``optimizer_time``; with ``shard`` (a sharded optimizer) 1/n of it on
+                         each of a sync group's n ranks, then the parameter exchange: each
+                         value crosses once, half an allreduce of the position's parameters
 
 K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble, step 2(f+b)::
 
@@ -145,9 +147,10 @@ class Result:
 
 
 def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network(), groups: int = 1,
-             optimizer_time: float = 0.0, split: bool = False) -> Result:
+             optimizer_time: float = 0.0, split: bool = False, shard: bool = False) -> Result:
     """Replay schedule (name, K, m) on ``groups`` data-parallel groups (see module docstring);
-    ``split``: with the backward split into input- and weight-gradient actions."""
+    ``split``: with the backward split into input- and weight-gradient actions; ``shard``: with the
+    optimizer sharded over each sync group (``optimizer_time`` is then the unsharded step's)."""
     sch.check(name, K, m)
     costs.check(K)
     if not isinstance(groups, int) or groups < 1:
@@ -185,7 +188,15 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
             sync_end[key] = end
         return None if key not in sync_end else max(t, sync_end[key])
 
-    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, optimizer_time)
+    steps = [optimizer_time] * K
+    if shard:
+        params = costs.param_bytes or [0] * K
+        for p in range(K):
+            ranks = topo.sync_group(p)
+            latency, bandwidth = network.link(ranks[0], ranks[-1])
+            exchange = network.allreduce_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency, bandwidth)
+            steps[p] = optimizer_time / len(ranks) + exchange / 2
+    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, steps.__getitem__)
     static = costs.static_bytes or [0] * K
     return Result(
         schedule=name, stages=K, micro_batches=m, groups=groups,
@@ -203,11 +214,11 @@ def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Calla
             send: Callable[[int, int, sch.Action, float], float],
             reduce: Callable[[int, int, sch.Action, float], None],
             sync: Callable[[int, int, float], float | None],
-            optimizer_time: float) -> tuple[Clock, Clock, dict[tuple[int, int], list[tuple[float, float, str]]]]:
+            step: Callable[[int], float]) -> tuple[Clock, Clock, dict[tuple[int, int], list[tuple[float, float, str]]]]:
     """Run every position of ``groups`` through its list: compute takes ``seconds(action)``,
     ``send`` gives a message's arrival, a receive waits for it, ``reduce`` notes a stage's
     reduce starting, ``sync`` gives when the sync group is done (None: not every member has
-    arrived yet). Returns per (group, position) the
+    arrived yet), the optimizer step ``step(position)``. Returns per (group, position) the
     finishing time, the busy seconds and the timeline."""
     arrival: dict[tuple, float] = {}                       # (group, message) -> arrival time
     pc = {(d, p): 0 for d in groups for p in range(len(lists))}
@@ -244,9 +255,10 @@ def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Calla
                     line.append((t, end, "sync"))
                     t = end
                 else:   # step
-                    line.append((t, t + optimizer_time, "step"))
-                    t += optimizer_time
-                    busy[(d, p)] += optimizer_time
+                    cost = step(p)
+                    line.append((t, t + cost, "step"))
+                    t += cost
+                    busy[(d, p)] += cost
                 i += 1
             progress |= i != pc[(d, p)]
             pc[(d, p)], clock[(d, p)] = i, t
@@ -265,7 +277,7 @@ def utilization(lists: list[list[sch.Action]], ticks: dict[str, float] = UNIT) -
     weight-gradient 1), messages free, sync and optimizer left out."""
     lists = [[a for a in actions if a.op not in (sch.SYNC, sch.STEP)] for actions in lists]
     clock, busy, _ = _replay(lists, [0], lambda a: ticks[a.op], lambda d, p, a, t: t, lambda d, p, a, t: None,
-                             lambda d, p, t: t, 0.0)
+                             lambda d, p, t: t, lambda p: 0.0)
     step = max(clock.values())
     return sum(busy.values()) / (len(lists) * step) if step > 0 else 1.0
 
@@ -345,4 +357,5 @@ def simulate_plan(plan, network: Network = Network(), device_flops: float = V100
                   efficiency: float = EFFICIENCY, optimizer_time: float = 0.0) -> Result:
     """``simulate`` for the configuration a Plan was made for (e.g. behind ``gems-plan --simulate``)."""
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs_from_plan(plan, device_flops, efficiency),
-                    network, plan.groups, optimizer_time, getattr(plan, "split_backward", False))
+                    network, plan.groups, optimizer_time, getattr(plan, "split_backward", False),
+                    getattr(plan, "shard_optimizer", False))
