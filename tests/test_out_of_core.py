@@ -1,5 +1,5 @@
-"""benchmarks/out_of_core.py runs end to end on a small model and prints well-formed figures
-(the figures themselves belong to the benchmark, not to a test)."""
+"""benchmarks/out_of_core.py runs end to end on a small model (pre-activation ResNet-20) and prints
+well-formed figures (the figures themselves belong to the benchmark, not to a test)."""
 from __future__ import annotations
 
 import os
@@ -15,8 +15,9 @@ ROW = re.compile(r"^\s*(\d+)  (none, no budget|none|all|auto)\s+(.+?)\s+([\d.]+)
 
 def test_out_of_core_benchmark_reports_sides_policies_times_and_estimates():
     env = {**os.environ, "GEMS_MPIEXEC": mpiexec()}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", "preact-resnet110", "--budget", "40MiB",
-                             "--side-step", "8", "--max-side", "96", "--steps", "2", "--between", "0"],
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", "tests/assets/tiny_model.py:small_preact",
+                             "--budget", "8MiB", "--side-step", "8", "--max-side", "96", "--steps", "2",
+                             "--between", "0"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
