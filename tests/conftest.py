@@ -12,6 +12,7 @@ aborts the whole job at once (one line on stderr) instead of leaving the others 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -117,6 +118,18 @@ def run_mpi(n: int, script: str | os.PathLike, *args: str, timeout: float = 60.0
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited with {result.returncode}\n{result.tail()}")
     return result
+
+
+def cli_cases(cli: str, argvs: list[list], timeout: float = 120) -> list[dict]:
+    """Run the ``main`` of module ``cli`` (e.g. "gems.cli.train") on each command line in turn, all in one
+    fresh process (tests/distributed/cli_cases.py, an MPI singleton): per command line, ``{"code",
+    "stdout", "stderr"}``. For what needs no process of its own: one interpreter and torch import instead
+    of one per command line."""
+    argvs = [[str(a) for a in argv] for argv in argvs]
+    result = subprocess.run([sys.executable, str(DISTRIBUTED / "cli_cases.py"), cli, json.dumps(argvs)], cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 @pytest.fixture(name="run_mpi")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DISTRIBUTED, REPO, _descendants, _kill_tree, mpiexec, run_mpi
+from conftest import REPO, _descendants, _kill_tree, cli_cases, mpiexec, run_mpi
+from gems.cli import export, plan as gems_plan
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
@@ -49,8 +50,9 @@ def test_two_ranks_mast_learns_and_exports(tmp_path):
     line = json.loads(metrics.read_text().splitlines()[-1])
     assert len(line["peak_memory"]) == 2 and line["skipped_images"] == 0
     out = tmp_path / "model.pt"
-    subprocess.run([sys.executable, str(TRAIN.parent / "gems-export"), str(tmp_path / "ck"), str(out)],
-                   check=True, cwd=REPO)
+    with pytest.raises(SystemExit) as exported:   # gems-export's main, in this process
+        export.main([str(tmp_path / "ck"), str(out)])
+    assert exported.value.code == 0
     sys.path.insert(0, str(REPO / "tests" / "assets"))
     from tiny_model import tiny  # noqa: PLC0415
     tiny(num_classes=4).load_state_dict(torch.load(out, weights_only=True))
@@ -130,15 +132,6 @@ def test_sigusr1_saves_and_exits_with_code_3(tmp_path):
     assert "gems-train: done" in result.stdout
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    ck = tmp_path_factory.mktemp("ck")
-    result = single(*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "1",
-                    "--checkpoint-dir", str(ck))
-    assert result.returncode == 0, result.stderr
-    return ck
-
-
 BAD_INPUT = [
     (["--stages", "2"], "cannot form pipelines of 2 stages"),
     (["--stages", "1", "--batch-size", "3"], "use a multiple of 2"),
@@ -168,81 +161,89 @@ def one_sentence(code, stderr: str, message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def bad_input_outcomes():
-    """Every BAD_INPUT command line through gems-train's main in one process (see cli_cases.py)."""
-    argvs = [[*BASE, "--batch-size", "2", *args] for args, _ in BAD_INPUT]
-    result = subprocess.run([sys.executable, str(DISTRIBUTED / "cli_cases.py"), "gems.cli.train", json.dumps(argvs)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+def one_process(tmp_path_factory):
+    """This module's command lines for one process, by name, through gems-train's main in one process
+    (conftest.cli_cases), in order: a checkpoint of one step, resumes it must refuse, a dry run, and
+    every BAD_INPUT."""
+    root = tmp_path_factory.mktemp("one-process")
+    (root / "empty").mkdir()
+    cases = {
+        "checkpoint": [*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "1",
+                       "--checkpoint-dir", root / "ck"],
+        "resume-empty": [*BASE, "--batch-size", "2", "--stages", "1", "--resume", "--checkpoint-dir", root / "empty"],
+        "resume-other": ["--model", "resnet18", "--image-size", "64", "--batch-size", "2", "--stages", "1",
+                         "--workers", "0", "--resume", "--checkpoint-dir", root / "ck"],
+        "dry-run": [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
+                    "--dry-run"],
+        **{f"bad-{i}": [*BASE, "--batch-size", "2", *args] for i, (args, _) in enumerate(BAD_INPUT)},
+    }
+    return dict(zip(cases, cli_cases("gems.cli.train", list(cases.values()))))
 
 
 @pytest.mark.parametrize("index", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
-def test_bad_input_is_one_sentence_and_exit_2(index, bad_input_outcomes):
-    outcome = bad_input_outcomes[index]
+def test_bad_input_is_one_sentence_and_exit_2(index, one_process):
+    outcome = one_process[f"bad-{index}"]
     one_sentence(outcome["code"], outcome["stderr"], BAD_INPUT[index][1])
 
 
-@pytest.mark.parametrize("args,message", [BAD_INPUT[0], BAD_INPUT[7]])
-def test_bad_input_as_a_real_process(args, message):
-    """The same promise through the installed command: the process's own exit status and stderr."""
+def test_bad_input_as_a_real_process():
+    """The same promise through the installed command, once: the process's own exit status and
+    stderr, from a check made after MPI started."""
+    args, message = BAD_INPUT[0]
     result = single(*BASE, "--batch-size", "2", *args)
     one_sentence(result.returncode, result.stderr, message)
 
 
-def test_resume_checks(tmp_path, tiny_checkpoint):
-    empty = single(*BASE, "--batch-size", "2", "--stages", "1", "--resume", "--checkpoint-dir", str(tmp_path))
-    assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr
-    other = single("--model", "resnet18", "--image-size", "64", "--batch-size", "2", "--stages", "1",
-                   "--workers", "0", "--resume", "--checkpoint-dir", str(tiny_checkpoint))
-    assert other.returncode == 2 and "not resnet18" in other.stderr, other.stderr
-    assert "Traceback" not in empty.stderr + other.stderr
+def test_resume_checks(one_process):
+    assert one_process["checkpoint"]["code"] == 0, one_process["checkpoint"]["stderr"]
+    empty, other = one_process["resume-empty"], one_process["resume-other"]
+    assert empty["code"] == 2 and "no complete checkpoint" in empty["stderr"]
+    assert other["code"] == 2 and "not resnet18" in other["stderr"], other["stderr"]
+    assert "Traceback" not in empty["stderr"] + other["stderr"]
 
 
-def test_dry_run_prints_plan_and_split():
-    result = single(*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe",
-                    "--micro-batches", "2", "--dry-run")
-    assert result.returncode == 0, result.stderr
-    assert "per replica 2 micro-batch(es) x 2 images" in result.stdout
+def test_dry_run_prints_plan_and_split(one_process):
+    result = one_process["dry-run"]
+    assert result["code"] == 0, result["stderr"]
+    assert "per replica 2 micro-batch(es) x 2 images" in result["stdout"]
 
 
-def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_path):
+def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     run_mpi(2, TRAIN, *BASE, "--batch-size", "4", "--stages", "2", "--steps", "2", "--checkpoint-dir", ck,
             timeout=240)
     plan = tmp_path / "plan.json"
-    subprocess.run([sys.executable, str(TRAIN.parent / "gems-plan"), "--model", TINY, "--image-size", "32",
-                    "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
-                    "--json", str(plan)], check=True, cwd=REPO, capture_output=True)
-    result = single(*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
-                    "--plan", str(plan), "--steps", "3", "--checkpoint-dir", str(ck), "--resume")
-    assert result.returncode == 0, result.stderr
-    assert "at step 2" in result.stdout and "gems-train: done" in result.stdout
-    mismatch = single(*BASE, "--batch-size", "4", "--stages", "1", "--plan", str(plan), "--steps", "1")
-    assert mismatch.returncode == 2 and "pass --schedule gpipe" in mismatch.stderr, mismatch.stderr
-
-
-NONFINITE = """
-import torch, gems
-from gems import partition
-from tiny_model import tiny
-model = tiny(num_classes=3)
-plan = partition.plan(model, input_shape=(3, 16, 16), batch_size=2, stages=1, schedule="mp")
-engine = gems.Engine(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=torch.nn.CrossEntropyLoss())
-before = {k: v.clone() for k, v in engine.state_dict().items() if v.is_floating_point()}
-images, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 1])
-loss = engine.step(torch.full_like(images, float("nan")), labels)
-after = engine.state_dict()
-assert loss != loss and not engine.last_step_applied, loss
-assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics included
-engine.step(images, labels)
-assert engine.last_step_applied
-print("nonfinite ok")
-"""
+    monkeypatch.chdir(REPO)   # gems-plan's main, in this process: the model's path is relative to the repository
+    assert gems_plan.main(["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages", "1",
+                           "--schedule", "gpipe", "--micro-batches", "2", "--json", str(plan)]) == 0
+    result, mismatch = cli_cases("gems.cli.train", [
+        [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2", "--plan", plan,
+         "--steps", "3", "--checkpoint-dir", ck, "--resume"],
+        [*BASE, "--batch-size", "4", "--stages", "1", "--plan", plan, "--steps", "1"]])
+    assert result["code"] == 0, result["stderr"]
+    assert "at step 2" in result["stdout"] and "gems-train: done" in result["stdout"]
+    assert mismatch["code"] == 2 and "pass --schedule gpipe" in mismatch["stderr"], mismatch["stderr"]
 
 
 def test_a_non_finite_loss_is_never_applied():
-    result = subprocess.run([sys.executable, "-c", NONFINITE], cwd=REPO / "tests" / "assets", capture_output=True,
-                            text=True, timeout=120)
-    assert "nonfinite ok" in result.stdout, result.stderr
+    import gems  # noqa: PLC0415
+    from gems import partition  # noqa: PLC0415
+    from gems.comm import loopback  # noqa: PLC0415
+    sys.path.insert(0, str(REPO / "tests" / "assets"))
+    from tiny_model import tiny  # noqa: PLC0415
+
+    def body(comm) -> None:
+        model = tiny(num_classes=3)
+        plan = partition.plan(model, input_shape=(3, 16, 16), batch_size=2, stages=1, schedule="mp")
+        engine = gems.Engine(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                             loss_fn=torch.nn.CrossEntropyLoss(), comm=comm)
+        before = {k: v.clone() for k, v in engine.state_dict().items() if v.is_floating_point()}
+        images, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 1])
+        loss = engine.step(torch.full_like(images, float("nan")), labels)
+        after = engine.state_dict()
+        assert loss != loss and not engine.last_step_applied, loss
+        assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics included
+        engine.step(images, labels)
+        assert engine.last_step_applied
+
+    loopback.run(1, body)   # one rank, in this process
