@@ -120,6 +120,16 @@ def run_mpi(n: int, script: str | os.PathLike, *args: str, timeout: float = 60.0
     return result
 
 
+def exit_status(main, argv: list) -> int:
+    """The exit status of a gems command's ``main(argv)`` run in this process, whether it returns it or
+    raises SystemExit (as the console script would exit)."""
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    return status if isinstance(status, int) else (0 if status is None else 1)
+
+
 def cli_cases(cli: str, argvs: list[list], timeout: float = 120) -> list[dict]:
     """Run the ``main`` of module ``cli`` (e.g. "gems.cli.train") on each command line in turn, all in one
     fresh process (tests/distributed/cli_cases.py, an MPI singleton): per command line, ``{"code",

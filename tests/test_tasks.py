@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from conftest import REPO, run_mpi
+from conftest import REPO, cli_cases, exit_status, run_mpi
+from gems.cli import data as gems_data, export
 
 BIN = Path(sys.executable).parent
 SEG = "tests/assets/tiny_model.py:tiny_segmenter"
@@ -23,14 +24,13 @@ SIZE = 32
 
 
 def synth(root: Path, task: str, count: int, val: int, size: int = SIZE) -> Path:
-    subprocess.run([sys.executable, str(BIN / "gems-data"), "synth", "--task", task, "--size", str(size),
-                    "--count", str(count), "--val-count", str(val), "--workers", "0", str(root)],
-                   check=True, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert exit_status(gems_data.main, ["synth", "--task", task, "--size", size, "--count", count,
+                                        "--val-count", val, "--workers", "0", root]) == 0
     return root
 
 
 def exported(checkpoint_dir: Path, out: Path) -> dict:
-    subprocess.run([sys.executable, str(BIN / "gems-export"), str(checkpoint_dir), str(out)], check=True, cwd=REPO)
+    assert exit_status(export.main, [checkpoint_dir, out]) == 0
     return torch.load(out, weights_only=True)
 
 
@@ -171,11 +171,7 @@ def test_bad_segmentation_input_is_one_sentence_and_exit_2(tmp_path):
         (["--data", good, "--val-data", good, "--micro-batches", "2", "--val-batch-size", "3"],
          "--val-batch-size 3 does not split"),
     ]
-    argvs = [[*base, *map(str, args)] for args, _ in cases]
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "distributed" / "cli_cases.py"), "gems.cli.train",
-                             json.dumps(argvs)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    for (args, message), outcome in zip(cases, json.loads(result.stdout)):
+    for (args, message), outcome in zip(cases, cli_cases("gems.cli.train", [[*base, *args] for args, _ in cases])):
         assert outcome["code"] == 2, (args, outcome)
         assert message in outcome["stderr"], (args, outcome)
         assert "Traceback" not in outcome["stderr"] and len(outcome["stderr"].strip().splitlines()) == 1, outcome

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, _descendants, _kill_tree, cli_cases, mpiexec, run_mpi
+from conftest import REPO, _descendants, _kill_tree, cli_cases, exit_status, mpiexec, run_mpi
 from gems.cli import export, plan as gems_plan
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -50,9 +50,7 @@ def test_two_ranks_mast_learns_and_exports(tmp_path):
     line = json.loads(metrics.read_text().splitlines()[-1])
     assert len(line["peak_memory"]) == 2 and line["skipped_images"] == 0
     out = tmp_path / "model.pt"
-    with pytest.raises(SystemExit) as exported:   # gems-export's main, in this process
-        export.main([str(tmp_path / "ck"), str(out)])
-    assert exported.value.code == 0
+    assert exit_status(export.main, [tmp_path / "ck", out]) == 0   # gems-export, in this process
     sys.path.insert(0, str(REPO / "tests" / "assets"))
     from tiny_model import tiny  # noqa: PLC0415
     tiny(num_classes=4).load_state_dict(torch.load(out, weights_only=True))
@@ -214,8 +212,8 @@ def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_p
             timeout=240)
     plan = tmp_path / "plan.json"
     monkeypatch.chdir(REPO)   # gems-plan's main, in this process: the model's path is relative to the repository
-    assert gems_plan.main(["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages", "1",
-                           "--schedule", "gpipe", "--micro-batches", "2", "--json", str(plan)]) == 0
+    assert exit_status(gems_plan.main, ["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages", "1",
+                                        "--schedule", "gpipe", "--micro-batches", "2", "--json", plan]) == 0
     result, mismatch = cli_cases("gems.cli.train", [
         [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2", "--plan", plan,
          "--steps", "3", "--checkpoint-dir", ck, "--resume"],
