@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec, run_mpi
+from conftest import DISTRIBUTED, REPO, _kill_tree, exit_status, mpiexec, run_mpi
+from gems.cli import plan as gems_plan
 from gems.train.handshake import FIELDS, disagreement, model_summary
 
 TRAIN = Path(sys.executable).parent / "gems-train"
-PLAN = Path(sys.executable).parent / "gems-plan"
 TINY = "tests/assets/tiny_model.py:tiny"
 COMMON = ["--image-size", "32", "--workers", "0", "--no-progress", "--batch-size", "4", "--stages", "2",
           "--steps", "2"]
@@ -87,13 +87,13 @@ def expect_one_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_two_ranks_with_different_plan_files_stop_before_training(tmp_path):
+def test_two_ranks_with_different_plan_files_stop_before_training(tmp_path, monkeypatch):
     plans = []
+    monkeypatch.chdir(REPO)   # gems-plan's main, in this process: the model's path is relative to the repository
     for balance in ("2,3", "3,2"):
         plans.append(tmp_path / f"plan-{balance}.json")
-        subprocess.run([sys.executable, str(PLAN), "--model", TINY, "--image-size", "32", "--batch-size", "4",
-                        "--stages", "2", "--balance", balance, "--json", str(plans[-1])],
-                       check=True, cwd=REPO, capture_output=True)
+        assert exit_status(gems_plan.main, ["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages",
+                                            "2", "--balance", balance, "--json", plans[-1]]) == 0
     result = mpmd(["--model", TINY, *COMMON, "--plan", plans[0], "--metrics", tmp_path / "m.jsonl"],
                   ["--model", TINY, *COMMON, "--plan", plans[1], "--metrics", tmp_path / "m.jsonl"])
     assert expect_one_line(result) == (
