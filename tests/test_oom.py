@@ -3,10 +3,8 @@ CUDA's OutOfMemoryError) stops the whole job with one line naming the rank, the 
 plan's estimate and what to change; --enforce-memory-budget lets a run that fits train."""
 from __future__ import annotations
 
-import os
 import re
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -79,16 +77,7 @@ def test_the_fixes_follow_the_plan():
     assert "--recompute" not in str(OutOfMemory(0, "CPU", "forward", plan, 0, cause))  # all its stages do
 
 
-def gems_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def test_enforcing_needs_a_budget():
-    result = gems_train("--model", TINY, "--stages", "1", "--image-size", "32", "--enforce-memory-budget")
-    assert result.returncode == 2, result.stderr
-    assert "--enforce-memory-budget needs --memory-budget (or a --plan made with one)" in result.stderr
-    assert "Traceback" not in result.stderr
+# --enforce-memory-budget without a budget is one of test_train.py's BAD_INPUT.
 
 
 def test_a_run_within_an_enforced_budget_trains():
