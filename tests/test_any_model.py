@@ -1,7 +1,7 @@
 """Any nn.Module trains exactly like one process: a hand-written U-Net (GroupNorm, concatenated
 skips at every level, a 1x1 residual from the input to the logits, per-pixel cross-entropy),
 torchvision's convnext_tiny, timm's convnext_atto and segmentation_models_pytorch's Unet
-(resnet34 encoder, BatchNorm in eval mode), and a network whose forward torch.fx cannot trace
+(resnet18 encoder, BatchNorm in eval mode), and a network whose forward torch.fx cannot trace
 (sizes through len and math, attention called with three arguments: torch.export's fallback),
 split by the graph front-end (gems.graph) and run on loopback ranks (one thread each) under mast,
 gpipe and 1f1b, K up to 4, m up to 4, D up to 2.
@@ -114,7 +114,7 @@ def build(kind: str) -> nn.Module:
         return timm.create_model("convnext_atto", num_classes=CLASSES, drop_path_rate=0.0)
     if kind == "smp-unet":
         smp = pytest.importorskip("segmentation_models_pytorch")
-        return smp.Unet("resnet34", encoder_weights=None, classes=CLASSES).eval()   # BatchNorm frozen
+        return smp.Unet("resnet18", encoder_weights=None, classes=CLASSES).eval()   # BatchNorm frozen
     raise ValueError(kind)
 
 
