@@ -34,17 +34,16 @@ def _tiled_run(make, size: tuple[int, int], grid: tuple[int, int], end: int | No
     torch.manual_seed(1)
     ref = make()
     units = graph_units(ref, (3, *size), batch)
+    P = grid[0] * grid[1]
+    # every rank's copy of the traced model, made and flattened here, before the reference trains:
+    # fx patches nn.Module process-wide while it traces
+    copies = [copy.deepcopy((ref, units)) for _ in range(P)]
+    for _, u in copies:
+        for unit in u:
+            flatten(unit)
     out = units(x)
     g = torch.randn_like(out)
     out.backward(g)
-    P = grid[0] * grid[1]
-    copies = []
-    for _ in range(P):   # traced here: fx patches nn.Module process-wide while tracing
-        torch.manual_seed(1)
-        net = make()
-        copies.append((net, graph_units(net, (3, *size), batch)))
-        for unit in copies[-1][1]:
-            flatten(unit)
     end = len(units) if end is None else end
 
     def rank(comm):
