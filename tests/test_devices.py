@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gems.cli.plan import main as gems_plan
-from gems.comm.base import local_device, placement
+from gems.comm.placement import local_device, placement
 from gems.errors import GemsError
 from gems.models import build
 from gems.partition import plan, profile

@@ -27,7 +27,7 @@ from equivalence import batch_size, check_reference, data, optimizer, per_rank, 
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
-COMM_CALLS = ("isend", "irecv", "ibatch", "iallreduce", "ibroadcast", "iallgather_bytes", "ibarrier")
+COMM_CALLS = ("isend", "irecv", "ibatch", "iallreduce", "ibroadcast", "iallgather_bytes", "iallgather_runs", "ibarrier")
 
 
 def make_engine(comm, copies, plans, **kwargs) -> gems.Engine:

@@ -44,7 +44,7 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
 
     ``device``: where this rank's tensors live (default: this rank's GPU when CUDA is present,
     else CPU); picks NCCL for the torch backend on CUDA. A bare "cuda" becomes the GPU this
-    rank gets among those it sees (``gems.comm.base.local_device``: cuda:<local rank> when
+    rank gets among those it sees (``gems.comm.placement.local_device``: cuda:<local rank> when
     every rank of the node sees every GPU, the rank's own device 0 when the launcher gave each
     rank its own); more ranks on a node than the GPUs they see is a GemsError, raised on every
     rank, unless ``allow_shared_gpu``. ``timeout``: seconds any single wait may last before

@@ -37,13 +37,18 @@ from torch import Tensor
 
 from gems.comm.abort import mpi_abort
 from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, byte_ranges, check_group_ranks,
-                            max_message_bytes, message_tag, placement)
+                            max_message_bytes, message_tag)
+from gems.comm.placement import placement
+from gems.comm.ring import Ring, Scratch, even_bounds
 from gems.errors import GemsError
 
 # Pinned buffers kept for reuse: a rank holding two stages (mast) sends and receives at most
 # eight distinct boundaries (activations and gradients, both directions, both stages).
 STAGING_BUFFERS = 8
 STAGING_BYTES = 2**31   # pinned memory cannot be paged out: cap what sits idle between steps
+# Host buffers of a group from this size on are summed and gathered by gems.comm.ring (measured there);
+# below it MPI's own collectives, whose fewer steps win where latency dominates.
+RING_BYTES = 2**20
 
 
 def cuda_aware() -> bool:
@@ -176,6 +181,8 @@ class MPIComm(Comm):
         self._groups_made = 0
         self._queue: deque[_Pending] = deque()
         self._side: dict[torch.device, Any] = {}
+        self._ring_ops: dict[int, int] = {}   # id(group) -> rings started on it: their tags
+        self._scratch = Scratch()
 
     # -- staging ---------------------------------------------------------------------------------
     def _wire(self, t: Tensor, load: bool, store: bool, reduce: bool = False) -> _Wire:
@@ -237,9 +244,12 @@ class MPIComm(Comm):
             op.reqs = op.start()
 
     def _post(self, wires: Sequence[_Wire], start: Callable[[], list[Any]], describe: str,
-              check: Callable[[list[Any]], None] | None = None) -> Request:
+              check: Callable[[list[Any]], None] | None = None, advance: Callable[[], bool] | None = None,
+              release: Callable[[], Any] | None = None) -> Request:
         """Queue an operation and return its Request. ``check``, for receives, inspects the
-        statuses on completion; an MPI error of a receive becomes a RuntimeError naming it."""
+        statuses on completion; an MPI error of a receive becomes a RuntimeError naming it.
+        ``advance``: tests (and moves on) an operation of several steps once started, instead
+        of its first requests; ``release``: run on completion, after the wires' copies."""
         op = _Pending(wires, start)
         self._queue.append(op)
         self._progress()
@@ -249,6 +259,8 @@ class MPIComm(Comm):
             self._progress()
             if op.reqs is None:
                 return False
+            if advance is not None:
+                return advance()
             if check is None:
                 return MPI.Request.Testall(op.reqs)
             statuses[:] = statuses or [MPI.Status() for _ in op.reqs]
@@ -264,7 +276,7 @@ class MPIComm(Comm):
             check(statuses)
             return True
 
-        dones = [w.done for w in wires if w.done is not None]
+        dones = [w.done for w in wires if w.done is not None] + ([release] if release is not None else [])
         return Request(test, describe, wires, (lambda: [d() for d in dones]) if dones else None)
 
     def _mpi(self, group: Group | None) -> Any:
@@ -323,6 +335,9 @@ class MPIComm(Comm):
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
         wire = self._wire(tensor, load=True, store=True, reduce=True)
+        if self._rings(wire, group):
+            return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,
+                              f"allreduce over {self._members(group)}")
         return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, _as_typed(wire.data), MPI.SUM)],
                           f"allreduce over {self._members(group)}")
 
@@ -336,6 +351,35 @@ class MPIComm(Comm):
         return self._post([wire], lambda: [self._mpi(group).Ibcast([piece, MPI.BYTE], root=index)
                                            for piece in self._pieces(wire.data)],
                           f"broadcast from rank {root} to {self._members(group)}")
+
+    def iallgather_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        if not flat.is_contiguous() or not self._rings(_Wire(flat), group):
+            return super().iallgather_runs(flat, bounds, group)
+        return self._ring(_Wire(flat), group, bounds, False, f"allgather over {self._members(group)}")
+
+    def _rings(self, wire: _Wire, group: Group | None) -> bool:
+        """Whether ``wire`` goes through gems.comm.ring: a group's host buffer of RING_BYTES or more
+        (the same answer on every member: they pass the same sizes, on the same kind of device)."""
+        data = wire.data
+        return (group is not None and group.size > 1 and wire.ready is None and not data.is_cuda
+                and data.numel() * data.element_size() >= RING_BYTES)
+
+    def _ring(self, wire: _Wire, group: Group, bounds: Sequence[int], reduce: bool, describe: str) -> Request:
+        """Queue a ring operation on ``wire`` over ``group`` (point-to-point on the group's own
+        communicator, one tag per ring: every member starts them in one order)."""
+        n, me, handle = group.size, group.rank, group.handle
+        tag = self._ring_ops.get(id(group), 0)
+        self._ring_ops[id(group)] = (tag + 1) % (self._tag_ub + 1)
+        flat = wire.data.reshape(-1)
+        scratch = self._scratch.take(max(b - a for a, b in zip(bounds, bounds[1:])), flat.dtype) if reduce else None
+
+        def exchange(send: Tensor, into: Tensor) -> list[Any]:
+            return ([handle.Isend([piece, MPI.BYTE], (me + 1) % n, tag) for piece in self._pieces(send)]
+                    + [handle.Irecv([piece, MPI.BYTE], (me - 1) % n, tag) for piece in self._pieces(into)])
+
+        ring = Ring(flat, bounds, me, exchange, MPI.Request.Testall, reduce, scratch)
+        return self._post([wire], lambda: ring.start() or [], describe, advance=ring.poll,
+                          release=(lambda: self._scratch.give(scratch)) if scratch is not None else None)
 
     def iallgather_bytes(self, data: Tensor, group: Group | None) -> tuple[Request, Tensor]:
         members = group.size if group is not None else self.size

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from gems.comm.abort import mpi_abort
 from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, P2POp, Request, byte_ranges,
-                             check_group_ranks, max_message_bytes, message_tag, placement)
+                             check_group_ranks, max_message_bytes, message_tag)
+from gems.comm.placement import placement
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings

@@ -94,7 +94,8 @@ class GradSync:
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
-        self._runs: list[tuple[int, torch.Tensor]] = []   # (owner's world rank, its run of the bucket) when sharded
+        # sharded: per stage, its gradients' span of the bucket and where each member's run starts in it
+        self._runs: list[tuple[torch.Tensor, list[int]]] = []
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -119,11 +120,11 @@ class GradSync:
         for mine in self._stage_params.values():
             bounds = _share(mine, n)
             owned += mine[bounds[me]:bounds[me + 1]]
-            for k in range(n):   # a run of whole parameters is a contiguous piece of the stage's gradients
-                run = mine[bounds[k]:bounds[k + 1]]
-                if run:
-                    lo, hi = self._offsets[id(run[0])], self._offsets[id(run[-1])] + run[-1].numel()
-                    self._runs.append((self.group_comm.ranks[k], self.bucket[lo:hi]))
+            if mine:   # the stage's gradients are contiguous; member k's run of whole parameters a piece of them
+                lo = self._offsets[id(mine[0])]
+                hi = self._offsets[id(mine[-1])] + mine[-1].numel()
+                self._runs.append((self.bucket[lo:hi], [self._offsets[id(mine[b])] - lo if b < len(mine) else hi - lo
+                                                        for b in bounds]))
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {n} ranks: train without --shard-optimizer")
@@ -134,12 +135,12 @@ class GradSync:
     def _share_params(self) -> None:
         """Every member's updated parameters to every member, through the gradient bucket (free
         once the step is taken: no buffer of its own): each owner writes its parameters in their
-        gradients' places and broadcasts its run of them (each value crosses once, half an
-        allreduce's traffic); ``apply`` zeroes the bucket after."""
+        gradients' places and one allgather per stage hands each run to all (half an allreduce's
+        traffic); ``apply`` zeroes the bucket after."""
         for p, view in self._views:
             if id(p) in self._owned:
                 view.copy_(p)
-        requests = [self.comm.ibroadcast(run, owner, self.group_comm) for owner, run in self._runs]
+        requests = [self.comm.iallgather_runs(span, bounds, self.group_comm) for span, bounds in self._runs]
         for req in requests:
             self.comm.wait(req, "the parameter exchange")
         for p, view in self._views:
