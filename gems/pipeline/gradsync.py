@@ -112,7 +112,9 @@ class GradSync:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
         each stage's -- whole parameters, contiguous in the bucket, about 1/n of the elements for
         each of the n members of the sync group (the same split on every member); the others'
-        new values arrive after each step (``apply``)."""
+        new values arrive after each step (``apply``). Sharded, a stage's parameters become views
+        of one flat buffer laid out as their gradients are in the bucket (the Parameter objects
+        stay), so that exchange is one allgather per stage, with no copies."""
         if not shard or self.group_comm is None:
             return [p for s in self.stages.values() for p in s.parameters()]
         n, me = self.group_comm.size, self.group_comm.rank
@@ -123,8 +125,8 @@ class GradSync:
             if mine:   # the stage's gradients are contiguous; member k's run of whole parameters a piece of them
                 lo = self._offsets[id(mine[0])]
                 hi = self._offsets[id(mine[-1])] + mine[-1].numel()
-                self._runs.append((self.bucket[lo:hi], [self._offsets[id(mine[b])] - lo if b < len(mine) else hi - lo
-                                                        for b in bounds]))
+                self._runs.append((self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
+                                                                 else hi - lo for b in bounds]))
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {n} ranks: train without --shard-optimizer")
@@ -132,19 +134,22 @@ class GradSync:
         return owned
 
     @torch.no_grad()
+    def _flatten(self, params: list[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
+        """One buffer holding ``params`` (the bucket's [lo, hi)), each parameter's data now a view of it."""
+        flat = torch.empty(hi - lo, dtype=params[0].dtype, device=params[0].device)
+        for p in params:
+            start = self._offsets[id(p)] - lo
+            view = flat[start:start + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+        return flat
+
     def _share_params(self) -> None:
-        """Every member's updated parameters to every member, through the gradient bucket (free
-        once the step is taken: no buffer of its own): each owner writes its parameters in their
-        gradients' places and one allgather per stage hands each run to all (half an allreduce's
-        traffic); ``apply`` zeroes the bucket after."""
-        for p, view in self._views:
-            if id(p) in self._owned:
-                view.copy_(p)
-        requests = [self.comm.iallgather_runs(span, bounds, self.group_comm) for span, bounds in self._runs]
+        """Every member's updated parameters to every member: one allgather per stage of its flat
+        parameter buffer, each member's run from its owner (half an allreduce's traffic)."""
+        requests = [self.comm.iallgather_runs(flat, bounds, self.group_comm) for flat, bounds in self._runs]
         for req in requests:
             self.comm.wait(req, "the parameter exchange")
-        for p, view in self._views:
-            p.copy_(view)
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
