@@ -48,7 +48,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -187,11 +187,14 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
     return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
 
 
-def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
+def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:
     """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
-    (its polling waits included, as the engine sees them); free communication on one rank."""
+    (its polling waits included, as the engine sees them), and the rate at which they add: what
+    an allreduce of ``reduce_bytes`` between them takes beyond its messages; free communication on
+    one rank."""
     if comm.size < 2:
         return simulate.IDEAL
+    pair = comm.group([0, 1])
     result = [0.0, 0.0]
     if comm.rank < 2:
         peer = 1 - comm.rank
@@ -207,10 +210,20 @@ def measure_network(comm, nbytes: int, repeats: int = 5) -> simulate.Network:
                         comm.wait(comm.irecv((buf,), peer, 1), "the ping-pong")
                 times.append((time.perf_counter() - start) / 2)
             result[i] = statistics.median(times[1:])
-    latency, large = comm.allgather_object(result)[0]
+        grads = torch.zeros(max(reduce_bytes, 4) // 4, dtype=torch.float32, device=comm.device)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            comm.allreduce(grads, pair, "the allreduce timing")
+            times.append(time.perf_counter() - start)
+        result.append(statistics.median(times[1:]))
+    latency, large, reduce = comm.allgather_object(result)[0]
     size = max(nbytes, 1 << 20)
     bandwidth = size / max(large - latency, 1e-9)
-    return simulate.Network(latency=latency, bandwidth=bandwidth)
+    network = simulate.Network(latency=latency, bandwidth=bandwidth)
+    reduced = max(reduce_bytes, 4) // 4 * 4
+    adding = reduce - network.allreduce_time(reduced, 2, latency, bandwidth)   # beyond the messages
+    return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)
 
 
 def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
@@ -367,7 +380,8 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     task = task_of(first.stage_output_shapes[-1], cfg.model)
     loss_fn = make_loss(task.name, "cross-entropy", task.classes)
     images, labels = synthetic_batch(cfg, task)
-    network = measure_network(comm, first.stage_estimates[0].output_bytes)
+    network = measure_network(comm, first.stage_estimates[0].output_bytes,
+                              sum(p.numel() * p.element_size() for p in model.parameters()))
     ref = None
     if cfg.reference:
         comm.barrier()
@@ -385,7 +399,8 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         "config": asdict(cfg), "task": asdict(task), "world": comm.size, "load_average": load, "stages": K,
         "tiles": cfg.tiles(),
         "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
-        "network": {"latency": network.latency, "bandwidth": network.bandwidth},
+        "network": {"latency": network.latency, "bandwidth": network.bandwidth,
+                    "reduce_bandwidth": network.reduce_bandwidth},
         "reference": ref,
         "schedules": {r.schedule: {**asdict(r), "simulator_error": r.simulator_error} for r in results},
     }

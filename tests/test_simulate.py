@@ -93,6 +93,22 @@ def test_sync_is_an_allreduce_over_the_sync_group():
     assert simulate("mp", 1, 1, Costs([1.0], [2.0], [0]), ring, optimizer_time=0.5).step_time == 3.5
 
 
+def test_additions_cost_time_at_the_reduce_bandwidth_and_allgathers_add_nothing():
+    """A CPU rank adds (n-1)/n of the bytes in a ring (ceil(log2 n) times them in a tree) at
+    ``reduce_bandwidth``; a sharded optimizer's allgather is the ring's half without additions."""
+    zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)
+    for allreduce, added in [("ring", 3 / 4 * 2.0), ("tree", 2 * 2.0)]:
+        free = Network(latency=0.0, bandwidth=1e9, allreduce=allreduce)
+        adding = Network(latency=0.0, bandwidth=1e9, allreduce=allreduce, reduce_bandwidth=0.5e9)
+        gap = simulate("mast", 4, 1, zero, adding, groups=2).step_time - simulate("mast", 4, 1, zero, free,
+                                                                                  groups=2).step_time
+        assert gap == pytest.approx(added / 0.5)
+        assert adding.allgather_time(2e9, 4, 0.0, 1e9) == pytest.approx(free.allreduce_time(2e9, 4, 0.0, 1e9) / 2)
+    sharded = Network(latency=0.0, bandwidth=1e9, reduce_bandwidth=0.5e9)
+    step = simulate("mast", 4, 1, zero, sharded, groups=2, optimizer_time=0.0, shard=True).timeline[0][-1]
+    assert step[1] - step[0] == pytest.approx(3 / 4 * 2.0)   # the exchange: an allgather, no additions
+
+
 def test_rings_leaving_a_node_share_its_network_link():
     # mast K=4 on 4-GPU nodes, D=2: both mirror rings leave every node, so each gets half the link
     zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)

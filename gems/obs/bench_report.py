@@ -38,7 +38,9 @@ def table(report: dict) -> str:
                      "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
     lines += ["", *_grid(rows)]
     lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
-                  f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s"]
+                  f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s; "
+                  + ("allreduce additions free" if net.get("reduce_bandwidth") is None else
+                     f"allreduce adds at {net['reduce_bandwidth'] / 1e9:.2f} GB/s")]
     rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms", "predicted ms", "measured ms",
              "error"]]
     for r in report["schedules"].values():

@@ -17,7 +17,7 @@ lists the engine runs, so there is one source of truth for every schedule:
                          together, when the last of them is done
     step                 ``optimizer_time``; with ``shard`` (a sharded optimizer) 1/n of it on
                          each of a sync group's n ranks, then the parameter exchange: each
-                         value crosses once, half an allreduce of the position's parameters
+                         value crosses once (``Network.allgather_time`` of the position's parameters)
 
 K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble, step 2(f+b)::
 
@@ -87,8 +87,12 @@ class Network:
     """Point-to-point and allreduce costs. ``latency``/``bandwidth`` hold for every link, or,
     with ``ranks_per_node`` set, between nodes; ``intra_*`` then hold inside a node (consecutive
     ranks share a node). Ring allreduce of B bytes on n ranks: 2(n-1)/n B/bw + 2(n-1) latency;
-    tree: 2 ceil(log2 n) (latency + B/bw). Rings that leave a node share its network link
-    (bandwidth divided by their number: a conservative bound, as if they all ran at once)."""
+    tree: 2 ceil(log2 n) (latency + B/bw); plus, with ``reduce_bandwidth``, the additions:
+    (n-1)/n B (ring) or ceil(log2 n) B (tree) at that many bytes/s (None: free, as a GPU's; a
+    CPU rank adds at memory speed, a cost of the order of the copies: gems-bench measures it).
+    An allgather is the ring's second half (the tree's broadcast half), without additions.
+    Rings that leave a node share its network link (bandwidth divided by their number: a
+    conservative bound, as if they all ran at once)."""
 
     latency: float = 5e-6          # seconds per message
     bandwidth: float = 10e9        # bytes/s per directed link
@@ -96,6 +100,7 @@ class Network:
     ranks_per_node: int | None = None
     intra_latency: float | None = None     # None: same as latency
     intra_bandwidth: float | None = None   # None: same as bandwidth
+    reduce_bandwidth: float | None = None  # bytes/s a rank adds a received chunk into its own; None: free
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(latency, bandwidth) between ranks a and b."""
@@ -107,9 +112,17 @@ class Network:
     def allreduce_time(self, nbytes: float, ranks: int, latency: float, bandwidth: float) -> float:
         if ranks <= 1:
             return 0.0
+        added = ((ranks - 1) / ranks if self.allreduce == "ring" else math.ceil(math.log2(ranks))) * nbytes
+        adding = 0.0 if self.reduce_bandwidth is None else added / self.reduce_bandwidth
+        return 2 * self.allgather_time(nbytes, ranks, latency, bandwidth) + adding
+
+    def allgather_time(self, nbytes: float, ranks: int, latency: float, bandwidth: float) -> float:
+        """Every rank's 1/n of B bytes to all n (the sharded optimizer's parameter exchange)."""
+        if ranks <= 1:
+            return 0.0
         if self.allreduce == "ring":
-            return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
-        return 2 * math.ceil(math.log2(ranks)) * (latency + nbytes / bandwidth)
+            return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
+        return math.ceil(math.log2(ranks)) * (latency + nbytes / bandwidth)
 
 
 IDEAL = Network(latency=0.0, bandwidth=math.inf)   # free communication
@@ -194,8 +207,8 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
         for p in range(K):
             ranks = topo.sync_group(p)
             latency, bandwidth = network.link(ranks[0], ranks[-1])
-            exchange = network.allreduce_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency, bandwidth)
-            steps[p] = optimizer_time / len(ranks) + exchange / 2
+            exchange = network.allgather_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency, bandwidth)
+            steps[p] = optimizer_time / len(ranks) + exchange
     clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, steps.__getitem__)
     static = costs.static_bytes or [0] * K
     return Result(
