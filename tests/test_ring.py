@@ -13,7 +13,7 @@ from gems.comm.ring import Ring, Scratch, even_bounds
 WORKER = Path(__file__).parent / "distributed" / "ring_worker.py"
 
 
-def run_rings(flats: list[torch.Tensor], bounds: list[int], reduce: bool) -> int:
+def run_rings(flats: list[torch.Tensor], bounds: list[int], reduce: bool, gather: bool = True) -> int:
     """Run one Ring per member over a mailbox; returns the polls it took. Messages are clones, so
     a member that changes a chunk after sending it cannot change what was sent."""
     n = len(flats)
@@ -35,7 +35,7 @@ def run_rings(flats: list[torch.Tensor], bounds: list[int], reduce: bool) -> int
             received[me] += 1
             return True
         scratch = torch.full((max(b - a for a, b in zip(bounds, bounds[1:])),), 12345, dtype=flats[me].dtype)
-        return Ring(flats[me], bounds, me, exchange, finished, reduce, scratch)
+        return Ring(flats[me], bounds, me, exchange, finished, reduce, scratch, gather)
 
     rings = [member(me) for me in range(n)]
     for ring in rings:
@@ -71,6 +71,17 @@ def test_ring_allgather_hands_every_run_to_every_member(bounds):
     run_rings(flats, bounds, reduce=False)
     for flat in flats:
         assert torch.equal(flat, torch.arange(10.0))
+
+
+@pytest.mark.parametrize("bounds", [[0, 9], [0, 4, 9], [0, 0, 9], [0, 2, 2, 9], [0, 1, 3, 6, 9]])
+def test_ring_reduce_scatter_leaves_each_member_the_sum_of_its_own_run(bounds):
+    n = len(bounds) - 1
+    flats = [torch.arange(9.0) * (me + 1) for me in range(n)]
+    run_rings(flats, bounds, reduce=True, gather=False)
+    total = n * (n + 1) / 2
+    for me, flat in enumerate(flats):
+        lo, hi = bounds[me], bounds[me + 1]
+        assert torch.equal(flat[lo:hi], torch.arange(lo, hi, dtype=torch.float32) * total)
 
 
 def test_integer_sums_are_exact_and_uneven_chunks_work():

@@ -248,6 +248,12 @@ class Comm:
                 for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
         return Request(lambda: all([r.poll() for r in runs]), f"allgather over ranks {group.ranks}", runs)
 
+    def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        """Start summing ``flat`` over ``group`` where only member k's run ``flat[bounds[k]:bounds[k + 1]]``
+        must come out summed on member k; the rest of ``flat`` is left undefined. Here a whole
+        allreduce (every run summed everywhere); a backend may move half as much."""
+        return self.iallreduce(flat, group)
+
     def ibarrier(self) -> Request:
         """Start a barrier over the world."""
         raise NotImplementedError

@@ -278,6 +278,18 @@ class LoopbackComm(Comm):
         return self._collective(("allreduce",), group, tensor.detach().clone(),
                                 (tuple(tensor.shape), tensor.dtype), total, tensor.detach().copy_)
 
+    def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        """Only this member's run comes out summed (the rest keeps its own values), so code that
+        reads another run's sum fails its tests here as it would over a real reduce-scatter."""
+        lo, hi = bounds[group.rank], bounds[group.rank + 1]
+
+        def total(inputs: list[Tensor]) -> Tensor:
+            return functools.reduce(Tensor.add_, inputs[1:], inputs[0].clone())
+
+        return self._collective(("reduce_scatter",), group, flat.detach().clone(),
+                                (tuple(flat.shape), flat.dtype, tuple(bounds)), total,
+                                lambda summed: flat.detach()[lo:hi].copy_(summed[lo:hi]))
+
     def ibroadcast(self, tensor: Tensor, root: int, group: Group | None) -> Request:
         ranks = group.ranks if group is not None else list(range(self.size))
         if root not in ranks:

@@ -335,7 +335,7 @@ class MPIComm(Comm):
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
         wire = self._wire(tensor, load=True, store=True, reduce=True)
-        if self._rings(wire, group):
+        if wire.ready is None and self._rings(wire.data, group):
             return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,
                               f"allreduce over {self._members(group)}")
         return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, _as_typed(wire.data), MPI.SUM)],
@@ -353,18 +353,23 @@ class MPIComm(Comm):
                           f"broadcast from rank {root} to {self._members(group)}")
 
     def iallgather_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
-        if not flat.is_contiguous() or not self._rings(_Wire(flat), group):
+        if not self._rings(flat, group):
             return super().iallgather_runs(flat, bounds, group)
         return self._ring(_Wire(flat), group, bounds, False, f"allgather over {self._members(group)}")
 
-    def _rings(self, wire: _Wire, group: Group | None) -> bool:
-        """Whether ``wire`` goes through gems.comm.ring: a group's host buffer of RING_BYTES or more
-        (the same answer on every member: they pass the same sizes, on the same kind of device)."""
-        data = wire.data
-        return (group is not None and group.size > 1 and wire.ready is None and not data.is_cuda
+    def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        if not (mpi_can_sum(flat.dtype) and self._rings(flat, group)):
+            return super().ireduce_scatter_runs(flat, bounds, group)
+        return self._ring(_Wire(flat), group, bounds, True, f"reduce-scatter over {self._members(group)}", False)
+
+    def _rings(self, data: Tensor, group: Group | None) -> bool:
+        """Whether ``data`` goes through gems.comm.ring: a group's contiguous host tensor of RING_BYTES
+        or more (the same answer on every member: they pass the same sizes, on the same kind of device)."""
+        return (group is not None and group.size > 1 and not data.is_cuda and data.is_contiguous()
                 and data.numel() * data.element_size() >= RING_BYTES)
 
-    def _ring(self, wire: _Wire, group: Group, bounds: Sequence[int], reduce: bool, describe: str) -> Request:
+    def _ring(self, wire: _Wire, group: Group, bounds: Sequence[int], reduce: bool, describe: str,
+              gather: bool = True) -> Request:
         """Queue a ring operation on ``wire`` over ``group`` (point-to-point on the group's own
         communicator, one tag per ring: every member starts them in one order)."""
         n, me, handle = group.size, group.rank, group.handle
@@ -377,7 +382,7 @@ class MPIComm(Comm):
             return ([handle.Isend([piece, MPI.BYTE], (me + 1) % n, tag) for piece in self._pieces(send)]
                     + [handle.Irecv([piece, MPI.BYTE], (me - 1) % n, tag) for piece in self._pieces(into)])
 
-        ring = Ring(flat, bounds, me, exchange, MPI.Request.Testall, reduce, scratch)
+        ring = Ring(flat, bounds, me, exchange, MPI.Request.Testall, reduce, scratch, gather)
         return self._post([wire], lambda: ring.start() or [], describe, advance=ring.poll,
                           release=(lambda: self._scratch.give(scratch)) if scratch is not None else None)
 

@@ -16,7 +16,8 @@ member r of the n sends to r + 1 and receives from r - 1 (mod n)::
                                      -> every member holds every chunk
 
 Each chunk's sum is computed once, by its member, and copied to the others: every member ends
-with the same bits. An allgather alone (``reduce=False``) hands each member's chunk to all.
+with the same bits. An allgather alone (``reduce=False``) hands each member's chunk to all; a
+reduce-scatter alone (``gather=False``) leaves member r with the sum of chunk r only.
 """
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ class Ring:
     only). ``start`` posts the first step, ``poll`` advances and says whether all is done."""
 
     def __init__(self, flat: Tensor, bounds: Sequence[int], me: int, exchange: Callable[[Tensor, Tensor], Any],
-                 finished: Callable[[Any], bool], reduce: bool, scratch: Tensor | None = None) -> None:
+                 finished: Callable[[Any], bool], reduce: bool, scratch: Tensor | None = None,
+                 gather: bool = True) -> None:
         self.flat, self.bounds, self.me, self.n = flat, list(bounds), me, len(bounds) - 1
         self.exchange, self.finished, self.scratch = exchange, finished, scratch
         rounds = self.n - 1
-        self.steps = ([(True, s) for s in range(rounds)] if reduce else []) + [(False, s) for s in range(rounds)]
+        self.steps = (([(True, s) for s in range(rounds)] if reduce else [])
+                      + ([(False, s) for s in range(rounds)] if gather else []))
         self.k = 0
         self.handle: Any = None
         self.received: Tensor | None = None

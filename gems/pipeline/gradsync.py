@@ -15,9 +15,15 @@ statistics that the mode keeps identical itself stay out of it: under ``batch_no
 a second, float64 allreduce over the same group adds the step's Σx, Σx² and counts, from which
 every copy then writes the same running statistics (``gems.pipeline.batchnorm``).
 
+With a sharded optimizer (``optimized(shard=True)``) each member of a sync group owns a run of
+every stage's parameters: a stage's gradients are reduce-scattered instead (each member gets
+the sums of its own run; the other gradients it holds are partial sums until the bucket is
+zeroed after the step), the owner updates its run, and one allgather per stage hands the new
+parameters to all -- together one allreduce's traffic.
+
 A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
 gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
-stage). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
+stage; sharded, each parameter by its owner). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
 skipped and every buffer (statistics and counters such as ``num_batches_tracked``) goes back
 to its value before the step; deferred BatchNorm sums are dropped unwritten.
 """
@@ -28,6 +34,7 @@ import math
 import torch
 from torch import nn
 
+from gems.comm import Request
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.topology import Topology
@@ -94,8 +101,9 @@ class GradSync:
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
-        # sharded: per stage, its gradients' span of the bucket and where each member's run starts in it
-        self._runs: list[tuple[torch.Tensor, list[int]]] = []
+        # sharded: per stage, its flat parameter buffer and where each member's run starts in it (and in the
+        # stage's gradients, laid out alike)
+        self._runs: dict[int, tuple[torch.Tensor, list[int]]] = {}
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -119,14 +127,14 @@ class GradSync:
             return [p for s in self.stages.values() for p in s.parameters()]
         n, me = self.group_comm.size, self.group_comm.rank
         owned: list[nn.Parameter] = []
-        for mine in self._stage_params.values():
+        for stage, mine in self._stage_params.items():
             bounds = _share(mine, n)
             owned += mine[bounds[me]:bounds[me + 1]]
             if mine:   # the stage's gradients are contiguous; member k's run of whole parameters a piece of them
                 lo = self._offsets[id(mine[0])]
                 hi = self._offsets[id(mine[-1])] + mine[-1].numel()
-                self._runs.append((self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
-                                                                 else hi - lo for b in bounds]))
+                self._runs[stage] = (self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
+                                                                   else hi - lo for b in bounds])
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {n} ranks: train without --shard-optimizer")
@@ -147,7 +155,7 @@ class GradSync:
     def _share_params(self) -> None:
         """Every member's updated parameters to every member: one allgather per stage of its flat
         parameter buffer, each member's run from its owner (half an allreduce's traffic)."""
-        requests = [self.comm.iallgather_runs(flat, bounds, self.group_comm) for flat, bounds in self._runs]
+        requests = [self.comm.iallgather_runs(flat, bounds, self.group_comm) for flat, bounds in self._runs.values()]
         for req in requests:
             self.comm.wait(req, "the parameter exchange")
 
@@ -195,10 +203,16 @@ class GradSync:
                 self._reduces.append((key, self._issue(key) if self._overlap else None))
 
     def _issue(self, key: tuple[int, int]):
-        segment, _, copy, buffers = self._segments[key]
+        segment, grads, copy, buffers = self._segments[key]
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
-        return self.comm.iallreduce(segment, self._parts[key][1])
+        group = self._parts[key][1]
+        if key[0] not in self._runs:
+            return self.comm.iallreduce(segment, group)
+        # sharded: each member needs the sums of its own run of gradients only
+        requests = [self.comm.ireduce_scatter_runs(grads, self._runs[key[0]][1], group)]
+        requests += [self.comm.iallreduce(copy, group)] if buffers else []
+        return Request(lambda: all([r.poll() for r in requests]), requests[0].describe, requests)
 
     def sync(self, loss: torch.Tensor) -> float:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
@@ -219,9 +233,11 @@ class GradSync:
         self.batch_norms.sync(self.comm, self.group_comm)
         self._scalars[0] = loss.reshape(())
         self._scalars[1] = 0.0
-        if self.clip_grad_norm is not None and self.counts_norm:
-            own = [p.grad.double().pow(2).sum() for p in self.stages[self.position].parameters()
-                   if p.grad is not None]
+        if self.clip_grad_norm is not None and (self.counts_norm or self._owned is not None):
+            # each parameter counted once in the world: by its owner when sharded (only it holds the sum)
+            counted = ([p for s in self.stages.values() for p in s.parameters() if id(p) in self._owned]
+                       if self._owned is not None else list(self.stages[self.position].parameters()))
+            own = [p.grad.double().pow(2).sum() for p in counted if p.grad is not None]
             if own:
                 self._scalars[1] = torch.stack(own).sum()
         self.comm.allreduce(self._scalars, None, "the loss allreduce")

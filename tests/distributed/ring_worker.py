@@ -6,7 +6,8 @@
 Over three groups (all ranks, all reversed, a pair without rank 1): sums of float32, float64 and
 bfloat16 tensors of uneven sizes (one chunk empty, a non-contiguous one), equal to the sum each
 rank computes from every rank's seeded values and bit-identical on every member; two rings in
-flight on one group, waited in reverse order; allgathers of uneven runs, empty ones included.
+flight on one group, waited in reverse order; allgathers and reduce-scatters of uneven runs, empty
+ones included.
 Prints "rank R: ok, N rings".
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main() -> None:
             flat[lo:hi] = torch.arange(lo, hi, dtype=torch.float32)
             comm.wait(comm.iallgather_runs(flat, bounds, group), "a ring allgather")
             assert torch.equal(flat, torch.arange(100.0)), (bounds, flat)
+            grads = torch.arange(100.0) * (comm.rank + 1)
+            comm.wait(comm.ireduce_scatter_runs(grads, bounds, group), "a ring reduce-scatter")
+            assert torch.equal(grads[lo:hi], torch.arange(lo, hi, dtype=torch.float32) * factor), (bounds, grads)
     comm.barrier()
     print(f"rank {comm.rank}: ok, {rings} rings", flush=True)
 
