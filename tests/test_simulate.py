@@ -46,16 +46,17 @@ def test_mast_k2_fills_the_bubble():
 
 
 def test_a_sharded_optimizer_steps_a_share_then_exchanges_the_parameters():
-    """mast K = 2, D = 2: each stage syncs over 4 ranks; sharded, a position's step is a quarter of
-    the optimizer's time plus half a ring allreduce of the parameters it holds (each value crosses
-    once)."""
+    """mast K = 2, D = 2: each stage syncs over 4 ranks; sharded, its gradients are reduce-scattered
+    (half a ring allreduce), and a position's step is a quarter of the optimizer's time plus an
+    allgather of the parameters it holds (each value crosses once)."""
     net = Network(latency=1e-3, bandwidth=1e6)
     costs = equal(2, params=[2e6, 2e6])
-    plain = simulate("mast", 2, 1, costs, net, groups=2, optimizer_time=0.8)
     sharded = simulate("mast", 2, 1, costs, net, groups=2, optimizer_time=0.8, shard=True)
     exchange = (2 * 3 / 4 * 4e6 / 1e6 + 2 * 3 * 1e-3) / 2   # both stages' parameters on each position
-    assert sharded.step_time - plain.step_time == pytest.approx(0.8 / 4 + exchange - 0.8)
-    assert [e - s for s, e, label in sharded.timeline[0] if label == "step"] == pytest.approx([0.2 + exchange])
+    scatter = 3 / 4 * 2e6 / 1e6 + 3 * 1e-3                 # stage 0's, after the last backward
+    spans = {label: (s, e) for s, e, label in sharded.timeline[0]}
+    assert spans["sync"][1] - spans["backward d0.s0"][1] == pytest.approx(scatter)
+    assert spans["step"][1] - spans["step"][0] == pytest.approx(0.2 + exchange)
 
 
 @pytest.mark.parametrize("name", sch.SCHEDULES)

@@ -15,7 +15,8 @@ lists the engine runs, so there is one source of truth for every schedule:
                          reduce is done, while the members compute on
     sync                 waits for the position's reduces; all ranks of the group finish
                          together, when the last of them is done
-    step                 ``optimizer_time``; with ``shard`` (a sharded optimizer) 1/n of it on
+    step                 ``optimizer_time``; with ``shard`` (a sharded optimizer, whose reduces are
+                         reduce-scatters: an allreduce without its allgather half) 1/n of it on
                          each of a sync group's n ranks, then the parameter exchange: each
                          value crosses once (``Network.allgather_time`` of the position's parameters)
 
@@ -174,7 +175,7 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1], split=split)
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
-    sync_key, sync_seconds = _sync_costs(topo, costs, network)
+    sync_key, sync_seconds = _sync_costs(topo, costs, network, shard)
     members = {key: len(reps) * len(key) for key in sync_seconds}
     issued: dict[tuple[frozenset, int], list[float]] = {}   # (sync key, stage) -> members' reduce starts
     link_free: dict[tuple[int, int, int], float] = {}      # (group, from, to) -> link free again
@@ -306,10 +307,10 @@ def _representatives(K: int, groups: int, network: Network) -> list[int]:
     return sorted(layouts.values())
 
 
-def _sync_costs(topo: Topology, costs: Costs,
-                network: Network) -> tuple[dict[int, frozenset], dict[frozenset, dict[int, float]]]:
+def _sync_costs(topo: Topology, costs: Costs, network: Network,
+                shard: bool = False) -> tuple[dict[int, frozenset], dict[frozenset, dict[int, float]]]:
     """Per position, the positions of group 0 it syncs with (its key); per key, the allreduce
-    seconds of each stage it holds."""
+    (``shard``: reduce-scatter) seconds of each stage it holds."""
     K, rpn = topo.stages, network.ranks_per_node
     params = costs.param_bytes or [0] * K
     ranks = {frozenset(r for r in topo.sync_group(p) if r < K): topo.sync_group(p) for p in range(K)}
@@ -323,8 +324,10 @@ def _sync_costs(topo: Topology, costs: Costs,
     seconds = {}
     for key, g in ranks.items():
         latency, bandwidth = network.link(g[0], g[-1])
-        seconds[key] = {s: network.allreduce_time(params[s], len(g), latency,
-                                                  bandwidth / (share if key in crossing else 1))
+        link = bandwidth / (share if key in crossing else 1)
+        # sharded, the gradients are reduce-scattered: an allreduce without its allgather half
+        seconds[key] = {s: network.allreduce_time(params[s], len(g), latency, link)
+                        - (network.allgather_time(params[s], len(g), latency, link) if shard else 0.0)
                         for s in topo.holds(g[0])}
     return key_of, seconds
 
