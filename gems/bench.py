@@ -48,7 +48,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +57,7 @@ from torch import nn
 from gems import models, partition
 from gems.errors import GemsError
 from gems.obs import memory, trace
+from gems.obs.network import measure_network
 from gems.pipeline import schedule as sch
 from gems.pipeline import simulate
 from gems.pipeline.loss import SumLoss, batch_mean
@@ -185,45 +186,6 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(cfg.seed)
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=g)
     return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
-
-
-def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:
-    """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
-    (its polling waits included, as the engine sees them), and the rate at which they add: what
-    an allreduce of ``reduce_bytes`` between them takes beyond its messages; free communication on
-    one rank."""
-    if comm.size < 2:
-        return simulate.IDEAL
-    pair = comm.group([0, 1])
-    result = [0.0, 0.0]
-    if comm.rank < 2:
-        peer = 1 - comm.rank
-        for i, size in enumerate((8, max(nbytes, 1 << 20))):
-            buf = torch.zeros(size // 4 + 1, dtype=torch.float32)
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                for turn in (0, 1):
-                    if turn == comm.rank:
-                        comm.wait(comm.isend((buf,), peer, 1), "the ping-pong")
-                    else:
-                        comm.wait(comm.irecv((buf,), peer, 1), "the ping-pong")
-                times.append((time.perf_counter() - start) / 2)
-            result[i] = statistics.median(times[1:])
-        grads = torch.zeros(max(reduce_bytes, 4) // 4, dtype=torch.float32, device=comm.device)
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            comm.allreduce(grads, pair, "the allreduce timing")
-            times.append(time.perf_counter() - start)
-        result.append(statistics.median(times[1:]))
-    latency, large, reduce = comm.allgather_object(result)[0]
-    size = max(nbytes, 1 << 20)
-    bandwidth = size / max(large - latency, 1e-9)
-    network = simulate.Network(latency=latency, bandwidth=bandwidth)
-    reduced = max(reduce_bytes, 4) // 4 * 4
-    adding = reduce - network.allreduce_time(reduced, 2, latency, bandwidth)   # beyond the messages
-    return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)
 
 
 def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,

@@ -59,20 +59,23 @@ def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
 
 
 def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
-          net=GroupNormNet, m: int = 1):
+          net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None):
     torch.manual_seed(0)
     model = net(CLASSES) if net is GroupNormNet else net()
     plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
-                          split_backward=split, micro_batches=m)
+                          split_backward=split, micro_batches=m, split_points=split_points)
     plan.spatial_grid = list(grid)
     plan.spatial_end = plan.cuts[1] if end is None else end
+    plan.spatial_start = start
+    for s, segments in (recompute or {}).items():
+        plan.policies[s].recompute = segments
     plan.check()
     return model, plan
 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
-           split: bool = False, net=GroupNormNet, m: int = 1):
-    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net, m)
+           split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None):
+    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points, recompute)
     world = ranks_per_group(K, schedule, grid[0] * grid[1]) * groups
     micro = plan.micro_batch_size
     copies = []
@@ -134,6 +137,31 @@ def test_a_unet_spatial_with_mast():
     _check(_train(36, 4, 2, "mast", (1, 2), net=_unet), 4, 36, net=_unet)
 
 
+# The zoo U-Net's units: the encoder down.0 (full resolution) and down.1, pooled, down.2 at the bottom,
+# then interpolate, cat, up.0, and interpolate#2 (unit 28), cat#2, up.1 and the head at full resolution.
+UNET_PREFIX, UNET_SUFFIX = 14, 28
+
+
+@pytest.mark.parametrize("grid", [(2, 1), (2, 2)])
+def test_a_unet_with_a_tiled_suffix_equals_one_process(grid):
+    """K = 1: the encoder and the full-resolution decoder on tiles, the low-resolution middle on the
+    leader (the suffix's inputs, the upsampled map and the long skip, scattered from it)."""
+    _check(_train(36, 2, 1, "mp", grid, end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet), 2, 36, net=_unet)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_unet_with_a_tiled_suffix_under_mast(split):
+    """K = 2, mast: stage 0's prefix and stage 1's suffix on the tile groups of both end positions (each
+    member holds both stages' tiled units), recompute segments on both sides of the suffix's start."""
+    _check(_train(36, 4, 2, "mast", (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet, split=split,
+                  split_points=["up.0.0"], recompute={1: [[22, 28], [28, 33]]}), 4, 36, net=_unet)
+
+
+def test_a_suffix_needs_the_tile_groups_of_stage_0():
+    with pytest.raises(gems.GemsError, match="a spatial suffix runs the last stage on the tile groups"):
+        _plan(36, 4, 2, "1f1b", (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet, m=2, split_points=["up.0.0"])
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_spatial_with_one_replica_pipelines(schedule):
     """P = 2, K = 2, two micro-batches: position 0 a tile group, position 1 one rank (3 ranks)."""
@@ -144,10 +172,16 @@ def test_spatial_with_data_parallelism():
     _check(_train(36, 4, 1, "mp", (2, 1), groups=2), 4, 36)
 
 
-@pytest.mark.parametrize("K, schedule", [(1, "mp"), (2, "mast")])
-def test_predict_on_a_spatial_plan(K, schedule):
-    """Forward-only steps: the leader of position 0 returns the model's own outputs; members None."""
-    model, plan = _plan(36, 4, K, schedule, (2, 1))
+@pytest.mark.parametrize("K, schedule, unet", [(1, "mp", False), (2, "mast", False), (1, "mp", True),
+                                               (2, "mast", True)])
+def test_predict_on_a_spatial_plan(K, schedule, unet):
+    """Forward-only steps: the leader of position 0 returns the model's own outputs; members None
+    (the U-Net with a tiled suffix: its outputs gathered from the tiles)."""
+    if unet:
+        model, plan = _plan(36, 4, K, schedule, (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet,
+                            split_points=["up.0.0"] if K == 2 else None)
+    else:
+        model, plan = _plan(36, 4, K, schedule, (2, 1))
     world = ranks_per_group(K, schedule, 2)
     copies = []
     for _ in range(world):

@@ -46,8 +46,7 @@ from gems.pipeline.p2p import PREFETCH, Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
-from gems.pipeline.tiled import (NoMessages, check_spatial, member_actions, member_policy, sync_parts,
-                                 tile_groups, tiled_stage)
+from gems.pipeline.tiled import NoMessages, check_spatial, member_actions, sync_parts, tile_groups, tiled_stage
 from gems.pipeline.topology import Topology
 
 
@@ -103,12 +102,13 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
         self.K, self.m = plan.stages, plan.micro_batches
-        self.topology = Topology(comm.size, plan.stages, plan.schedule, plan.tiles)
+        self.topology = Topology(comm.size, plan.stages, plan.schedule, plan.tiles, bool(plan.spatial_start))
         self.group, self.position, self.tile = self.topology.place(comm.rank)   # tile > 0: a tile group's member
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
         lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)
         tiles = tile_groups(comm, self.topology, plan.spatial_grid)   # gems.pipeline.tiled
-        self.actions = member_actions(lists[self.position]) if self.tile else lists[self.position]
+        member_stages = set(self.topology.stages_of(comm.rank)) if self.tile else set()
+        self.actions = member_actions(lists[self.position], member_stages) if self.tile else lists[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         graph = isinstance(model, GraphUnits)
@@ -118,10 +118,10 @@ class Engine:
             s: model[plan.cuts[s]:plan.cuts[s + 1]] for s in self.topology.stages_of(comm.rank)}
         policies = {s: plan.policies[s] for s in self.stages}
         self._cut = None   # a tiled stage 0 takes this rank's tile of the images, cut before the device copy
-        if tiles is not None and 0 in self.stages:
-            self._cut = tiles.tile
-            self.stages[0] = tiled_stage(self.stages[0], plan, tiles, batches.rows_per_micro)
-            policies[0] = member_policy(policies[0], plan.spatial_end) if self.tile else policies[0]
+        if tiles is not None:
+            self._cut = tiles.tile if 0 in self.stages else None
+            for s in self.topology.tiled_stages & set(self.stages):
+                self.stages[s] = tiled_stage(self.stages[s], s, plan, tiles, batches.rows_per_micro, model)
         self.stages = {s: module.to(self.device) for s, module in self.stages.items()}
         # One pool of host buffers for all the stages this rank offloads, bounded by what the
         # plan prices it at (gems.partition.costs.host_moments).
@@ -131,7 +131,7 @@ class Engine:
         runners = {s: StageRunner(module, plan.cuts[s], policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm,
-                              sync_parts(self.topology, comm.rank, self.stages, plan.spatial_end))
+                              sync_parts(self.topology, comm.rank, self.stages))
         self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
         self.grads.keep_grads_in_bucket(self.optimizer)
         messenger = NoMessages(self.position) if self.tile else Messenger(

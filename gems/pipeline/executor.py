@@ -99,6 +99,8 @@ class Executor:
         received: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         if a.stage == 0:
             inputs = (self.cut(self._images[rows]).to(self.device, non_blocking=True),)
+        elif self.member:   # a suffix's inputs come from the leader's scatter; this scalar ties its graph
+            inputs = (torch.zeros((), device=self.device, requires_grad=True),)
         else:
             received = self._inbox.pop((ir.RECV_ACT, key))
             for edge, tensors in received.items():

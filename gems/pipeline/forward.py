@@ -40,9 +40,9 @@ class Forwards:
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips)
-        self.member = member   # a tile group's member: stage 0's tiled forwards only (gems.pipeline.tiled)
+        self.member = member   # a tile group's member: its tiled stages' forwards only (gems.pipeline.tiled)
         self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
-        self.actions = member_actions(lists[position]) if member else lists[position]
+        self.actions = member_actions(lists[position], set(runners)) if member else lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
         self.messenger = NoMessages(position) if member else Messenger(
@@ -80,8 +80,12 @@ class Forwards:
                         del outputs[key], left[key]
                 else:
                     rows = self.batches.rows(a.replica, a.micro)
-                    inputs = ((self.cut(images[rows]).to(self.device, non_blocking=True),) if a.stage == 0
-                              else self.routes.assemble(a.stage, inbox.pop(key), self.device))
+                    if a.stage == 0:
+                        inputs = (self.cut(images[rows]).to(self.device, non_blocking=True),)
+                    elif self.member:   # a suffix's inputs come from the leader's scatter
+                        inputs = (torch.zeros((), device=self.device),)
+                    else:
+                        inputs = self.routes.assemble(a.stage, inbox.pop(key), self.device)
                     with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
                         out = self.runners[a.stage].forward(inputs, key, waiting=False)
                     if self.member:

@@ -1,11 +1,13 @@
 """What a plan with a spatial part changes on a rank (``gems.spatial``): the tile groups, a
-member's actions, its stage and its policy.
+member's actions and its stages.
 
-A tile group's leader runs its position's action list as any rank does; the stage-0 forward
-and backward it runs are collective over its tile group. A member runs only those, plus the
-reduces of stage 0, the sync and the step (its parameters are stage 0's), in the leader's order
--- so every member issues the tile exchanges in the same order -- and exchanges no pipeline
-message: the leader gathers the boundary from the tiles and sends it on.
+A tile group's leader runs its position's action list as any rank does; the forwards and
+backwards of its tiled stages (stage 0, and the last with a suffix) are collective over its tile
+group. A member runs only those, plus their reduces, the sync and the step (its parameters are
+their tiled units'), in the leader's order -- so every member issues the tile exchanges in the
+same order -- and exchanges no pipeline message: the leader gathers a prefix's boundary from the
+tiles and sends it on, and scatters a suffix's inputs to them. A member's stage keeps every unit's
+place (``gems.spatial.stage.Pass`` for those only the leader runs), so its policy is the leader's.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from torch import nn
 from gems.errors import GemsError
 from gems.pipeline import ir
 from gems.pipeline.topology import Topology
-from gems.plan import StagePolicy
-from gems.spatial import TileGroup, tile_stage
+from gems.spatial import TiledUnit, TileGroup, tile_stage
 
 
 class NoMessages:
@@ -59,29 +60,37 @@ def tile_groups(comm, topology: Topology, grid: list[int]) -> TileGroup | None:
     return mine
 
 
-def member_actions(actions: list[ir.Action]) -> list[ir.Action]:
-    """A member's actions: its leader's stage-0 compute and reduces, the sync and the step."""
-    return [a for a in actions if a.op in (ir.SYNC, ir.STEP) or (a.stage == 0 and (a.op in ir.COMPUTE
-                                                                                 or a.op == ir.REDUCE))]
+def member_actions(actions: list[ir.Action], stages: set[int]) -> list[ir.Action]:
+    """A member's actions: its leader's compute and reduces of the tiled ``stages``, the sync and
+    the step."""
+    return [a for a in actions if a.op in (ir.SYNC, ir.STEP) or (a.stage in stages and (a.op in ir.COMPUTE
+                                                                                       or a.op == ir.REDUCE))]
 
 
-def tiled_stage(module: nn.Sequential, plan, tiles: TileGroup, rows: int) -> nn.Sequential:
-    """Stage 0 with units ``[0, plan.spatial_end)`` tiled (a member keeps only those)."""
-    return tile_stage(module, 0, plan.spatial_end, plan.unit_names, tiles, torch.Size((rows, *plan.input_shape)))
+def tiled_stage(module: nn.Sequential, stage: int, plan, tiles: TileGroup, rows: int,
+                model: nn.Sequential) -> nn.Sequential:
+    """Stage ``stage`` with its spatial units tiled: stage 0's prefix ``[0, plan.spatial_end)``,
+    the last stage's suffix ``[plan.spatial_start, ...)`` (``model``: every unit, to size it)."""
+    first = plan.cuts[stage]
+    end = plan.spatial_end if stage == 0 else 0
+    start = plan.spatial_start if stage == plan.stages - 1 else 0
+    return tile_stage(module, first, end, plan.unit_names, tiles, torch.Size((rows, *plan.input_shape)), start,
+                      list(model)[:first])
 
 
-def sync_parts(topology: Topology, rank: int, stages: dict[int, nn.Module], end: int) -> dict | None:
-    """How a leader's stages sync when its tiled stage 0 has an untiled rest (``GradSync``'s
-    ``parts``): the tiled units over every tile of stage 0, the rest over the leaders alone (the
-    members hold no copy of it); None where the default (each stage over its holders) is right."""
-    if topology.tiles == 1 or topology.place(rank)[2] or 0 not in stages or end == len(stages[0]):
+def sync_parts(topology: Topology, rank: int, stages: dict[int, nn.Module]) -> dict | None:
+    """How a leader's stages sync when a tiled stage has units only the leader runs (``GradSync``'s
+    ``parts``): its tiled units over every tile, the rest over the leaders alone (the members hold
+    no copy of it); None where the default (each stage over its holders) is right."""
+    if topology.tiles == 1 or topology.place(rank)[2]:
         return None
-    units = list(stages[0].children())
     parts = {s: [(m, topology.holders(s))] for s, m in stages.items()}
-    parts[0] = [(nn.Sequential(*units[:end]), topology.holders(0)), (nn.Sequential(*units[end:]), topology.leaders(0))]
-    return parts
-
-
-def member_policy(policy: StagePolicy, end: int) -> StagePolicy:
-    """Stage 0's policy on a member, which runs units ``[0, end)`` only."""
-    return StagePolicy([list(seg) for seg in policy.recompute if seg[1] <= end], policy.offload)
+    split = False
+    for s in sorted(topology.tiled_stages & set(stages)):
+        units = list(stages[s].children())
+        tiled = [u for u in units if isinstance(u, TiledUnit)]
+        if len(tiled) < len(units):
+            split = True
+            parts[s] = [(nn.Sequential(*tiled), topology.holders(s)),
+                        (nn.Sequential(*[u for u in units if not isinstance(u, TiledUnit)]), topology.leaders(s))]
+    return parts if split else None

@@ -6,8 +6,10 @@ allreduce does. Without a spatial part a group is K ranks (rank = d * K + r). Wi
 (``tiles`` = P > 1), every position holding stage 0 -- position 0, and under ``mast`` also
 position K-1 -- is a tile group of P consecutive ranks, the first of them its *leader* (the
 rank that exchanges the pipeline's messages and runs the position's other stages); the others
-(*members*) hold stage 0 only and run its tiled units. A group is then K + (P-1) x (positions
-holding stage 0) ranks. Tiles exchange halos at every layer: keep a group on one node.
+(*members*) hold stage 0 only and run its tiled units. With a spatial suffix (``suffix``: the
+last stage's last units tiled too) every position holding the last stage is a tile group as
+well, whose members also hold the last stage. A group is then K + (P-1) x (tile groups) ranks.
+Tiles exchange halos at every layer: keep a group on one node.
 
 Sync groups (the ranks whose gradients of a stage are summed each step): every rank holding the
 stage, in every group (``holders``). Without tiles that is, for one-replica schedules, position
@@ -23,14 +25,16 @@ from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 
 
-def tiled_positions(stages: int, schedule: str, tiles: int) -> list[int]:
-    """Positions that are tile groups: those holding stage 0 (none without tiles)."""
-    return [p for p in range(stages) if tiles > 1 and 0 in sch.holds(schedule, stages, p)]
+def tiled_positions(stages: int, schedule: str, tiles: int, suffix: bool = False) -> list[int]:
+    """Positions that are tile groups: those holding stage 0, and with a spatial ``suffix`` those
+    holding the last stage (none without tiles)."""
+    tiled = {0, stages - 1} if suffix else {0}
+    return [p for p in range(stages) if tiles > 1 and tiled & set(sch.holds(schedule, stages, p))]
 
 
-def ranks_per_group(stages: int, schedule: str, tiles: int = 1) -> int:
+def ranks_per_group(stages: int, schedule: str, tiles: int = 1, suffix: bool = False) -> int:
     """Ranks of one group: K, plus P - 1 for each position that is a tile group."""
-    return stages + (tiles - 1) * len(tiled_positions(stages, schedule, tiles))
+    return stages + (tiles - 1) * len(tiled_positions(stages, schedule, tiles, suffix))
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Topology:
     stages: int
     schedule: str = "mast"
     tiles: int = 1
+    suffix: bool = False   # the last stage's last units are tiled too (Plan.spatial_start)
 
     def __post_init__(self) -> None:
         K, W = self.stages, self.world
@@ -57,8 +62,13 @@ class Topology:
 
     @property
     def tiled(self) -> list[int]:
-        """Positions that are tile groups: those holding stage 0 (none without tiles)."""
-        return tiled_positions(self.stages, self.schedule, self.tiles)
+        """Positions that are tile groups (``tiled_positions``)."""
+        return tiled_positions(self.stages, self.schedule, self.tiles, self.suffix)
+
+    @property
+    def tiled_stages(self) -> set[int]:
+        """Stages a tile group's members hold (their tiled units): 0, and the last with a suffix."""
+        return ({0, self.stages - 1} if self.suffix else {0}) if self.tiles > 1 else set()
 
     def width(self, position: int) -> int:
         """Ranks at ``position``: P for a tile group, else 1."""
@@ -67,7 +77,7 @@ class Topology:
     @property
     def size(self) -> int:
         """Ranks per group."""
-        return ranks_per_group(self.stages, self.schedule, self.tiles)
+        return ranks_per_group(self.stages, self.schedule, self.tiles, self.suffix)
 
     @property
     def groups(self) -> int:
@@ -101,9 +111,10 @@ class Topology:
         return sch.holds(self.schedule, self.stages, position)
 
     def stages_of(self, rank: int) -> list[int]:
-        """Stages whose parameters ``rank`` holds: its position's, or stage 0 alone for a member."""
+        """Stages whose parameters ``rank`` holds: its position's, or for a member those of them with
+        tiled units."""
         _, r, t = self.place(rank)
-        return [0] if t else self.holds(r)
+        return [s for s in self.holds(r) if s in self.tiled_stages] if t else self.holds(r)
 
     def peer(self, rank: int, position: int) -> int:
         """The leader of ``position`` in the same group as ``rank``."""
@@ -131,7 +142,7 @@ class Topology:
         """Every distinct sync group (each stage's holders; with tiles also stage 0's leaders), in the
         same order on every rank (for collective creation)."""
         seen: list[list[int]] = []
-        for g in [self.holders(s) for s in range(self.stages)] + ([self.leaders(0)] if self.tiles > 1 else []):
+        for g in [self.holders(s) for s in range(self.stages)] + [self.leaders(s) for s in sorted(self.tiled_stages)]:
             if g not in seen:
                 seen.append(g)
         return seen

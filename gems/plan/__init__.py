@@ -22,7 +22,7 @@ from gems.errors import GemsError
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
 _LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": [],
-                 "routes": [], "spatial_grid": [], "spatial_end": 0}
+                 "routes": [], "spatial_grid": [], "spatial_end": 0, "spatial_start": 0}
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
@@ -179,8 +179,12 @@ class Plan:
     # rows x cols ranks at every position holding stage 0, each rank one tile of every activation;
     # the boundary at spatial_end is gathered on the group's first rank, which runs the rest. Empty:
     # no spatial part. World = groups x (stages + (tiles - 1) x positions holding stage 0).
+    # A suffix (spatial_start > 0, for models at full resolution again at their end: U-Nets): units
+    # [spatial_start, end of the model) of the last stage on tile groups too, every position holding
+    # the last stage then one of them; its inputs scattered from the leader, its outputs gathered.
     spatial_grid: list[int] = field(default_factory=list)
     spatial_end: int = 0
+    spatial_start: int = 0
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -190,6 +194,13 @@ class Plan:
     def tiles(self) -> int:
         """P: ranks per tile group (1 without a spatial part)."""
         return self.spatial_grid[0] * self.spatial_grid[1] if self.spatial_grid else 1
+
+    @property
+    def tiled_stages(self) -> tuple[int, ...]:
+        """Stages with tiled units: 0 with a spatial part, and the last with a suffix."""
+        if not self.spatial_grid:
+            return ()
+        return (0, self.stages - 1) if self.spatial_start and self.stages > 1 else (0,)
 
     @property
     def balance(self) -> list[int]:
@@ -303,6 +314,15 @@ class Plan:
             raise GemsError(f"the plan's spatial part (grid {self.spatial_grid}, end unit {self.spatial_end}) is not a "
                             f"rows x cols grid with an end inside stage 0 (units 1..{self.cuts[1]}): fix the plan or "
                             "regenerate it with gems-plan --spatial")
+        if self.spatial_start and not (self.spatial_grid and max(self.spatial_end, self.cuts[-2]) <= self.spatial_start
+                                       < self.cuts[-1]):
+            raise GemsError(f"the plan's spatial suffix starts at unit {self.spatial_start}, which is not inside the last "
+                            f"stage (units {self.cuts[-2]}..{self.cuts[-1] - 1}) after the spatial prefix (ending at "
+                            f"{self.spatial_end}): fix the plan or regenerate it with gems-plan --spatial")
+        if self.spatial_start and self.stages > 1 and self.schedule != "mast":
+            raise GemsError(f"a spatial suffix runs the last stage on the tile groups that hold stage 0, which "
+                            f"{self.schedule} with {self.stages} stages does not have: use one stage or --schedule mast, "
+                            "or a plan without a suffix")
         for s, policy in enumerate(self.policies):
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
             for seg in policy.recompute:
@@ -310,9 +330,11 @@ class Plan:
                     raise GemsError(f"stage {s} recompute segment {seg} is not an increasing [first, end) unit range "
                                     f"inside the stage's units [{lo}, {hi}): fix the plan's policies")
                 end = seg[1]
-                if s == 0 and self.spatial_grid and seg[0] < self.spatial_end < seg[1]:
-                    raise GemsError(f"stage 0 recompute segment {seg} crosses the end of the spatial part (unit "
-                                    f"{self.spatial_end}): end the segment there or start it there")
+                for edge in ([self.spatial_end] if s == 0 and self.spatial_grid else []) + (
+                        [self.spatial_start] if s == self.stages - 1 and self.spatial_start else []):
+                    if seg[0] < edge < seg[1]:
+                        raise GemsError(f"stage {s} recompute segment {seg} crosses an edge of the spatial part (unit "
+                                        f"{edge}): end the segment there or start it there")
 
     # -- people ----------------------------------------------------------------------
     def table(self) -> str:

@@ -4,7 +4,8 @@
 * ``allreduce``: a sum over the whole tile group (normalisation statistics, global pooling); its
   gradient is the sum of every tile's gradient, so the backward is an allreduce too.
 * ``gather`` / its backward: the tiles of a boundary assembled on the group's first rank (the
-  *leader*, the rank that talks to the rest of the pipeline), the gradient cut back into tiles.
+  *leader*, the rank that talks to the rest of the pipeline), the gradient cut back into tiles;
+  ``scatter`` the reverse, where a spatial suffix takes its inputs from the leader.
 
 Every member runs the same layers in the same order, forward and backward (autograd's order is
 the same for the same graph), so the point-to-point messages between two members always pair up
@@ -104,38 +105,86 @@ def allreduce(x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """Leader: the whole tensor from every member's tile; member: sends its tile, returns an empty
-    tensor whose backward receives the tile's gradient from the leader."""
+    """Leader: each whole tensor from every member's tiles; member: sends its tiles, returns empty
+    tensors whose backward receives the tiles' gradients from the leader. One autograd node for
+    all the tensors of a boundary, so leader and members exchange their gradients in one order."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tiles: TileGroup, shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.tiles, ctx.shape, ctx.tile_shape = tiles, shape, tuple(x.shape)
+    def forward(ctx, tiles: TileGroup, shapes: list[tuple[int, ...]], *xs: torch.Tensor):
+        ctx.tiles, ctx.tile_shapes = tiles, [tuple(x.shape) for x in xs]
         if not tiles.leader:
-            tiles.exchange([(tiles.ranks[0], x)], [], "the leader to take a tile")
-            return x.new_zeros(())
-        whole = x.new_empty(shape)
+            tiles.exchange([(tiles.ranks[0], x) for x in xs], [], "the leader to take a tile")
+            return tuple(x.new_zeros(()) for x in xs)
+        wholes = [x.new_empty(shape) for x, shape in zip(xs, shapes)]
         recvs = []
-        for index, peer in enumerate(tiles.ranks):
-            view = _view(whole, tiles, index)
-            if index == 0:
-                view.copy_(x)
-            else:
-                recvs.append((peer, view, x.new_empty(view.shape)))
+        for whole, x in zip(wholes, xs):
+            for index, peer in enumerate(tiles.ranks):
+                view = _view(whole, tiles, index)
+                if index == 0:
+                    view.copy_(x)
+                else:
+                    recvs.append((peer, view, x.new_empty(view.shape)))
         tiles.exchange([], [(peer, b) for peer, _, b in recvs], "the tiles of a boundary")
         for _, view, b in recvs:
             view.copy_(b)
-        return whole
+        return tuple(wholes)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         tiles = ctx.tiles
         if not tiles.leader:
-            g = grad.new_empty(ctx.tile_shape)
-            tiles.exchange([], [(tiles.ranks[0], g)], "the gradient of a tile from the leader")
-            return g, None, None
-        sends = [(peer, _view(grad, tiles, index)) for index, peer in enumerate(tiles.ranks) if index]
+            gs = [grads[0].new_empty(shape) for shape in ctx.tile_shapes]
+            tiles.exchange([], [(tiles.ranks[0], g) for g in gs], "the gradient of a tile from the leader")
+            return None, None, *gs
+        sends = [(peer, _view(g, tiles, index)) for g in grads for index, peer in enumerate(tiles.ranks) if index]
         tiles.exchange(sends, [], "a member to take its tile's gradient")
-        return _view(grad, tiles, 0).clone(), None, None
+        return None, None, *(_view(g, tiles, 0).clone() for g in grads)
+
+
+class _Scatter(torch.autograd.Function):
+    """The inverse of ``_Gather``: the leader cuts whole tensors into tiles and sends each member
+    its own; a member passes one scalar tied to its graph (``link``) and receives its tiles. The
+    backward gathers the tiles' gradients on the leader."""
+
+    @staticmethod
+    def forward(ctx, tiles: TileGroup, shapes: list[tuple[int, ...]], dtype: torch.dtype, *xs: torch.Tensor):
+        ctx.tiles, ctx.shapes, ctx.inputs = tiles, shapes, len(xs)
+        if tiles.leader:
+            sends = [(peer, _view(x, tiles, index).to(dtype)) for x in xs for index, peer in enumerate(tiles.ranks)
+                     if index]
+            tiles.exchange(sends, [], "a member to take its tile of a boundary")
+            return tuple(_view(x, tiles, 0).to(dtype, copy=True) for x in xs)
+        mine = [xs[0].new_empty(tile_shape(shape, tiles, tiles.index), dtype=dtype) for shape in shapes]
+        tiles.exchange([], [(tiles.ranks[0], t) for t in mine], "the tiles of a boundary from the leader")
+        return tuple(mine)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        tiles = ctx.tiles
+        if not tiles.leader:
+            tiles.exchange([(tiles.ranks[0], g) for g in grads], [], "the leader to take a tile's gradient")
+            return None, None, None, *(torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)
+                                       for _ in range(ctx.inputs))
+        wholes = [grads[0].new_empty(shape) for shape in ctx.shapes]
+        recvs = []
+        for whole, g in zip(wholes, grads):
+            for index, peer in enumerate(tiles.ranks):
+                view = _view(whole, tiles, index)
+                if index == 0:
+                    view.copy_(g)
+                else:
+                    recvs.append((peer, view, g.new_empty(view.shape)))
+        tiles.exchange([], [(peer, b) for peer, _, b in recvs], "the gradients of a boundary's tiles")
+        for _, view, b in recvs:
+            view.copy_(b)
+        return None, None, None, *wholes
+
+
+def tile_shape(shape: tuple[int, ...], tiles: TileGroup, index: int) -> tuple[int, ...]:
+    """The shape of tile ``index`` of a whole (N, C, H, W) tensor of ``shape``."""
+    i, j = divmod(index, tiles.grid[1])
+    (r0, r1), (c0, c1) = parts(shape[2], tiles.grid[0])[i], parts(shape[3], tiles.grid[1])[j]
+    return (*shape[:2], r1 - r0, c1 - c0)
 
 
 def _view(whole: torch.Tensor, tiles: TileGroup, index: int) -> torch.Tensor:
@@ -144,7 +193,14 @@ def _view(whole: torch.Tensor, tiles: TileGroup, index: int) -> torch.Tensor:
     return whole[:, :, r0:r1, c0:c1]
 
 
-def gather(x: torch.Tensor, tiles: TileGroup, shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole (N, C, H, W) ``shape`` tensor on the leader from every member's tile; an empty
-    scalar elsewhere, through which the member's backward waits for its tile's gradient."""
-    return x if tiles.size == 1 else _Gather.apply(x, tiles, shape)
+def gather(xs: tuple[torch.Tensor, ...], tiles: TileGroup, shapes: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+    """The whole (N, C, H, W) tensors of ``shapes`` on the leader from every member's tiles ``xs``;
+    empty scalars elsewhere, through which the member's backward waits for its tiles' gradients."""
+    return tuple(xs) if tiles.size == 1 else _Gather.apply(tiles, list(shapes), *xs)
+
+
+def scatter(xs: tuple[torch.Tensor, ...], tiles: TileGroup, shapes: list[tuple[int, ...]],
+            dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """This rank's tiles (in ``dtype``) of the whole tensors of ``shapes``: the leader passes them
+    (``xs``), a member one scalar its graph hangs on (``xs[0]``: see ``_Scatter``)."""
+    return tuple(xs) if tiles.size == 1 else _Scatter.apply(tiles, list(shapes), dtype, *xs)

@@ -49,18 +49,22 @@ class Node:
     tiled: bool   # whether its result is tiled
 
 
-def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size) -> list[dict[fx.Node, tuple]]:
+def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size,
+                 before: Sequence[nn.Module] = ()) -> list[dict[fx.Node, tuple]]:
     """Per unit, the global shape of every tensor value of its graph, from a fake pass of the
-    units in order from an image batch of ``image`` shape (eval mode: nothing is updated)."""
+    units in order from an image batch of ``image`` shape, after the units ``before`` them (run
+    as they are; eval mode: nothing is updated)."""
     found: list[dict[fx.Node, tuple]] = []
-    modes = [(m, m.training) for u in units for m in u.modules()]
+    modes = [(m, m.training) for u in [*before, *units] for m in u.modules()]
     try:
-        for u in units:
+        for u in [*before, *units]:
             u.eval()
         # the units' own device: a model built on the meta device (the planner's) is sized there
         device = next((p.device for u in units for p in u.parameters()), torch.device("cpu"))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             x = mode.from_tensor(torch.empty(image, device=device))
+            for u in before:
+                x = u(x)
             for u in units:
                 shapes: dict[fx.Node, tuple] = {}
                 x = _Recorder(u, shapes).run(x)

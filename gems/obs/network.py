@@ -1,0 +1,50 @@
+"""The network a gems-bench run predicts with (``gems.pipeline.simulate.Network``), measured
+between ranks 0 and 1 through the communicator the engine uses."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from gems.pipeline import simulate
+
+
+def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:
+    """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
+    (its polling waits included, as the engine sees them), and the rate at which they add: what
+    an allreduce of ``reduce_bytes`` between them takes beyond its messages; free communication on
+    one rank."""
+    if comm.size < 2:
+        return simulate.IDEAL
+    pair = comm.group([0, 1])
+    result = [0.0, 0.0]
+    if comm.rank < 2:
+        peer = 1 - comm.rank
+        for i, size in enumerate((8, max(nbytes, 1 << 20))):
+            buf = torch.zeros(size // 4 + 1, dtype=torch.float32)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                for turn in (0, 1):
+                    if turn == comm.rank:
+                        comm.wait(comm.isend((buf,), peer, 1), "the ping-pong")
+                    else:
+                        comm.wait(comm.irecv((buf,), peer, 1), "the ping-pong")
+                times.append((time.perf_counter() - start) / 2)
+            result[i] = statistics.median(times[1:])
+        grads = torch.zeros(max(reduce_bytes, 4) // 4, dtype=torch.float32, device=comm.device)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            comm.allreduce(grads, pair, "the allreduce timing")
+            times.append(time.perf_counter() - start)
+        result.append(statistics.median(times[1:]))
+    latency, large, reduce = comm.allgather_object(result)[0]
+    size = max(nbytes, 1 << 20)
+    bandwidth = size / max(large - latency, 1e-9)
+    network = simulate.Network(latency=latency, bandwidth=bandwidth)
+    reduced = max(reduce_bytes, 4) // 4 * 4
+    adding = reduce - network.allreduce_time(reduced, 2, latency, bandwidth)   # beyond the messages
+    return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)
