@@ -26,7 +26,8 @@ until the executor prefetches it, as the compute action before its backward begi
 saved, that it lets go as it ends (the engine keeps the output on the device).
 
 With a spatial part (``spatial_end``; the profile is then the tile group leader's,
-``gems.partition.spatial``), the solver's costs keep it whole inside stage 0.
+``gems.partition.spatial``), the solver's costs keep it whole inside stage 0, and a suffix
+(``spatial_start``) whole inside the last stage.
 """
 from __future__ import annotations
 
@@ -147,9 +148,10 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
                  unit_times: Sequence[float] | None = None, policies: PolicyModel | None = None,
-                 kind: str = "none", split: bool = False, spatial_end: int = 0) -> None:
+                 kind: str = "none", split: bool = False, spatial_end: int = 0, spatial_start: int = 0) -> None:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
         self.spatial_end = spatial_end   # stage 0 must hold units [0, spatial_end): a spatial part (0: none)
+        self.spatial_start = spatial_start   # the last stage must hold units [spatial_start, n): a suffix (0: none)
         self.split = split   # backward split into input and weight halves (gems.pipeline.splitgrad)
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
@@ -300,16 +302,20 @@ class CostModel:
 
     def _whole_spatial(self, cost):
         """``cost`` with every stage that would split the spatial part priced out (+inf): stage 0
-        ending before ``spatial_end``, a later stage starting before it."""
+        ending before ``spatial_end``, a later stage starting before it; with a suffix, the last
+        stage starting after ``spatial_start``, an earlier one ending after it."""
         if not self.spatial_end:
             return cost
         edges = np.arange(len(self.profile) + 1)
+        start = self.spatial_start or len(self.profile)
 
         def whole(position: int, stage: int) -> np.ndarray:
             matrix = cost(position, stage)
-            key = ("whole spatial", id(matrix), stage == 0)
+            first, last = stage == 0, stage == self.K - 1
+            key = ("whole spatial", id(matrix), first, last)
             if key not in self._memory:
-                split = edges[None, :] < self.spatial_end if stage == 0 else edges[:, None] < self.spatial_end
+                split = edges[None, :] < self.spatial_end if first else edges[:, None] < self.spatial_end
+                split = split | (edges[:, None] > start if last else edges[None, :] > start)
                 self._memory[key] = np.where(split, np.inf, matrix)
             return self._memory[key]
         return whole

@@ -46,7 +46,8 @@ from .policy import PolicyModel
 from .profile import OPTIMIZER_STATE, profile
 from .records import ModelProfile
 from .solver import cuts_from_balance, evaluate, solve
-from .spatial import AUTO_TILES, Tiling, parse_spatial, search, tiled_profile, tiled_times
+from .request import dtype_of, input_shape_of, positive_int
+from .spatial import AUTO_TILES, Suffixes, Tiling, parse_spatial, search, tiled_profile, tiled_times
 
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
@@ -62,7 +63,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          comm: str | None = None, split_points: Sequence[str] | None = None,
          leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False,
          shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
-         spatial_end: int | None = None) -> Plan:
+         spatial_end: int | None = None, spatial_start: int | None = None) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -88,16 +89,18 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     ``spatial``: a tile count P (the grid with the least halo traffic), a grid (rows, cols) or
     "RxC", or "auto" (P = 2, 4, 8, 16 in turn, only when no plan without tiles fits
     ``memory_budget``); the tiled prefix of stage 0 ends at ``spatial_end`` (units [0, end)) or
-    where the plan is best (module docstring).
+    where the plan is best (module docstring); with one stage or mast, a suffix of the last stage
+    (units [spatial_start, n), for models at full resolution at their end) is tiled too where
+    the plan is best with one (``spatial_start`` None), from that unit, or never (0).
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
     if not isinstance(model, nn.Module):
         raise GemsError(f"the model must be an nn.Module, got {type(model).__name__}")
-    K = _positive_int(stages, "the number of stages")
-    m = _positive_int(micro_batches, "the number of micro-batches")
-    groups = _positive_int(groups, "the number of groups")
-    batch_size = _positive_int(batch_size, "the batch size")
+    K = positive_int(stages, "the number of stages")
+    m = positive_int(micro_batches, "the number of micro-batches")
+    groups = positive_int(groups, "the number of groups")
+    batch_size = positive_int(batch_size, "the batch size")
     schedules.check(schedule, K, m)
     if balance_by not in BALANCE_BY:
         raise GemsError(f"cannot balance by {balance_by!r}: choose one of {', '.join(BALANCE_BY)}")
@@ -123,6 +126,11 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     if spatial_end is not None and (request is None or isinstance(spatial_end, bool) or not isinstance(spatial_end, int)
                                     or spatial_end < 1):
         raise GemsError(f"the spatial part's end must be a positive unit count with --spatial, got {spatial_end!r}")
+    suffixes = request is not None and (K == 1 or schedule == "mast")   # where the last stage is on the tile groups
+    if spatial_start and (not suffixes or isinstance(spatial_start, bool) or not isinstance(spatial_start, int)
+                          or spatial_start < 1):
+        raise GemsError(f"a spatial suffix needs --spatial, one stage or --schedule mast, and a positive start unit, "
+                        f"got {spatial_start!r}")
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")
@@ -131,8 +139,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         raise GemsError(f"the memory budget of {format_size(budget)} leaves nothing for tensors once every rank's "
                         f"{format_size(sum(overhead.values()))} besides them (CUDA context, communicator buffers) "
                         "is counted: raise --memory-budget")
-    shape = _input_shape(input_shape)
-    torch_dtype = _dtype(dtype)
+    shape = input_shape_of(input_shape)
+    torch_dtype = dtype_of(dtype)
     leaves = [c if isinstance(c, str) else c.__name__ for c in leaf_modules]
     if not isinstance(model, GraphUnits):   # any nn.Module: its chain of units (gems.graph)
         model = graph_units(model, shape, batch_size // split, leaves, model_name=name)
@@ -163,13 +171,13 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         rank that holds the most, a tile group's leader (``gems.partition.spatial``)."""
         p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(sharers)
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
-        policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.end if tiles else 0)
+        policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.barriers if tiles else ())
         return _Job(p, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles)
 
     def solved(job: _Job) -> Plan:
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
         costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split_backward,
-                          job.tiling.end if job.tiling else 0)
+                          job.tiling.end if job.tiling else 0, job.tiling.start if job.tiling else 0)
         found, loads = _cut(costs, balance_by, cuts)
         made = job.assemble(costs, found, loads, balance_by, _uniform(job.policies, costs, found, allowed[0]))
         if budget is not None and not made.fits and len(allowed) > 1:
@@ -183,7 +191,9 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         reach = spatial_limit(list(model), [u.name for u in prof.units], (batch_size // split, *shape))
         why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
                f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
-        tiled = search(lambda tiles: solved(job(tiles)), reach, request, spatial_end, prof, K, cuts)
+        tail = Suffixes(list(model), [u.name for u in prof.units], (batch_size // split, *shape), K, spatial_start,
+                        prof) if suffixes and spatial_start != 0 else None
+        tiled = search(lambda tiles: solved(job(tiles)), reach, request, spatial_end, prof, K, cuts, tail)
         if tiled is not None and result is not None:
             tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
                                f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
@@ -247,7 +257,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
     options = [(cuts, loads, balance_by)]
     if recut:
         lean = CostModel(costs.profile, costs.schedule, costs.K, costs.m, None, job.policies, allowed[-1],
-                         costs.split, costs.spatial_end)
+                         costs.split, costs.spatial_end, costs.spatial_start)
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
@@ -358,7 +368,8 @@ class _Job:
             forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges),
             routes=edges.routes, split_backward=costs.split,
             order=schedules.variant(costs.schedule, K, costs.m, costs.split),
-            spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0)
+            spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0,
+            spatial_start=tiles.start if tiles else 0)
         policed = any(p.kind != "none" for p in policies)
         if policed or tiles:
             def step(costs_of_plan) -> float:
@@ -371,30 +382,3 @@ class _Job:
             timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
             result.plain_step_seconds = step(timed)
         return result
-
-
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise GemsError(f"{what} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _input_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        dims = None
-    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
-        raise GemsError(f"the input shape must be positive sizes per sample such as (3, 2048, 2048), got {shape!r}")
-    return tuple(int(d) for d in dims)
-
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise GemsError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")

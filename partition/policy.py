@@ -89,7 +89,8 @@ class PolicyModel:
     """
 
     def __init__(self, profile: ModelProfile, device: str, forward_seconds: Sequence[float],
-                 backward_seconds: Sequence[float], host_bandwidth: float = HOST_BANDWIDTH, barrier: int = 0) -> None:
+                 backward_seconds: Sequence[float], host_bandwidth: float = HOST_BANDWIDTH,
+                 barriers: Sequence[int] = ()) -> None:
         self.profile, self.device, self.host_bandwidth = profile, device, host_bandwidth
         self.offload_works = device != "cpu"
         self.forward = np.concatenate([[0.0], np.cumsum(forward_seconds)])    # prefix sums
@@ -107,10 +108,10 @@ class PolicyModel:
                 self.crossing[b + 1].append(i)
         # A segment starts for free at unit a when a saves all it receives anyway (ResNet blocks do).
         self.free_start = [a > 0 and all(a in profile.storages[i].savers for i in self.crossing[a]) for a in range(n)]
-        # No segment crosses the end of a spatial part (``barrier``; 0: none): one starts there.
-        self.barrier = barrier
-        if 0 < barrier < n:
-            self.free_start[barrier] = True
+        # No segment crosses an edge of a spatial part (``barriers``: its end, a suffix's start): one starts there.
+        self.barriers = [b for b in barriers if 0 < b < n]
+        for b in self.barriers:
+            self.free_start[b] = True
         self.touchers = [s.touchers() for s in profile.storages]
         self._matrices: dict[str, np.ndarray] = {}
 
@@ -272,9 +273,10 @@ class PolicyModel:
         return min(candidates, key=lambda p: (self.peak(lo, hi, p, holders), len(p.recompute)))
 
     def _split(self, segments: list[list[int]]) -> list[list[int]]:
-        """``segments`` with the one crossing ``barrier`` cut in two there."""
-        b = self.barrier
-        return [part for a, e in segments for part in ([[a, b], [b, e]] if a < b < e else [[a, e]])]
+        """``segments`` cut in two at every barrier one crosses."""
+        for b in self.barriers:
+            segments = [part for a, e in segments for part in ([[a, b], [b, e]] if a < b < e else [[a, e]])]
+        return segments
 
     def partial(self, kind: str, lo: int, hi: int, holders: Sequence[Holder],
                 segments: Sequence[Sequence[int]] | None = None, most: int = MAX_PARTIAL) -> list[StagePolicy]:

@@ -1,6 +1,8 @@
 """Pricing a spatial part (``gems.spatial``): units [0, end) of stage 0 on a tile group of P = rows x
 cols ranks at every position holding stage 0, the boundary at ``end`` gathered on the group's
-leader, which runs the rest of the stage and its position's other stages.
+leader, which runs the rest of the stage and its position's other stages. With a suffix
+(``start``; K = 1 or mast, where those tile groups hold the last stage too) units [start, n) are
+tiled as well, their inputs scattered from the leader and the model's output gathered on it.
 
 The planner prices the leader, the most loaded rank of the group (the other members hold stage
 0's parameters and their tiles only), by rewriting the profile (``tiled_profile``) and pricing it
@@ -10,12 +12,12 @@ as usual::
                       + per sliding window the halo rows and columns its tile fetches
                         (``Window.fetched``: kept for backward, and its gradient in backward)
     the image         a tile / P: the engine moves only this rank's tile of the batch to the device
-    the gathered boundary at ``end``, and all after it: full
+    the gathered boundary at ``end``, and all after it up to a suffix: full
     parameters, gradients, optimizer state, buffers: full on every member
 
 Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
-of one rank and the gather at ``end`` (the leader receives all but its own tile), each once in
-forward and once back in backward, over the intra-node link of ``gems.pipeline.simulate``'s
+of one rank, the gather at ``end`` (the leader receives all but its own tile) and a suffix's
+scatter and output gather, each once in forward and once back in backward, over the intra-node link of ``gems.pipeline.simulate``'s
 V100 cluster (a tile group exchanges at every layer, so it belongs on one node); group sums of
 normalisation statistics (a few bytes) are not counted. ``Tiling.seconds``.
 
@@ -32,7 +34,7 @@ from gems.errors import GemsError
 from gems.pipeline.simulate import V100_CLUSTER
 from gems.plan import Plan
 from gems.spatial.geometry import grids
-from gems.spatial.limit import Reach
+from gems.spatial.limit import Reach, suffix_limit
 from gems.spatial.stage import check_grid
 from .records import ModelProfile, Storage
 
@@ -59,22 +61,32 @@ def parse_spatial(value: object) -> int | tuple[int, int] | str | None:
 
 @dataclass(frozen=True)
 class Tiling:
-    """A spatial part to price: the grid, its end, and per micro-batch bytes a rank fetches per
-    unit (halo) and the leader gathers at ``end``."""
+    """A spatial part to price: the grid, its end (and a suffix's start, 0: none), and per
+    micro-batch bytes a rank fetches per unit (halo) and the leader gathers at ``end`` (and
+    scatters at ``start``, gathers at the output)."""
 
     grid: tuple[int, int]
     end: int
-    halo: list[int]        # per unit < end
+    halo: list[int]        # per unit (0 for an untiled one)
     gather: int
-    messages: int          # halo and gather messages of one rank per forward
+    messages: int          # halo, gather and scatter messages of one rank per forward
+    start: int = 0
 
     @property
     def tiles(self) -> int:
         return self.grid[0] * self.grid[1]
 
     @property
+    def barriers(self) -> tuple[int, ...]:
+        """Where a tiled range begins or ends inside the model: no recompute segment crosses one."""
+        return (self.end, self.start) if self.start else (self.end,)
+
+    def tiled(self, unit: int) -> bool:
+        return unit < self.end or 0 < self.start <= unit
+
+    @property
     def seconds(self) -> float:
-        """Per micro-batch: the halo fetches and the gather, forward and backward (module docstring)."""
+        """Per micro-batch: the halo fetches, gathers and scatter, forward and backward (module docstring)."""
         latency, bandwidth = LINK
         return 2 * ((sum(self.halo) + self.gather) / bandwidth + self.messages * latency)
 
@@ -86,32 +98,36 @@ def choose_grid(reach: Reach, tiles: int, end: int) -> tuple[int, int] | None:
     return min(fitting, key=lambda g: sum(w.traffic(g) for w in reach.windows if w.unit < end), default=None)
 
 
-def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile) -> Tiling:
-    """The Tiling of units [0, end) on ``grid``, bytes at the profile's dtype."""
+def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, suffix: Reach | None = None) -> Tiling:
+    """The Tiling of units [0, end) (and a ``suffix`` reach's units) on ``grid``, bytes at the
+    profile's dtype."""
     itemsize = _itemsize(prof.dtype)
-    halo = [0] * end
+    halo = [0] * len(prof)
     messages = 0
-    for w in reach.windows:
-        if w.unit < end:
-            halo[w.unit] += w.fetched(grid) * itemsize
-            messages += 2 * sum(1 for count, extra in zip(grid, w.halos(grid)) if count > 1 and extra)
+    for w in [w for w in reach.windows if w.unit < end] + (suffix.windows if suffix else []):
+        halo[w.unit] += w.fetched(grid) * itemsize
+        messages += 2 * sum(1 for count, extra in zip(grid, w.halos(grid)) if count > 1 and extra)
     P = grid[0] * grid[1]
-    gather = (P - 1) * _share(int(prof.boundary_bytes()[end]), P)
-    return Tiling(tuple(grid), end, halo, gather, messages + P - 1)
+    boundary = prof.boundary_bytes()
+    # gathered at the end, and with a suffix scattered at its start and the model's output gathered
+    moved = [int(boundary[end])] + ([int(boundary[suffix.first]), prof.units[-1].output_bytes] if suffix else [])
+    gather = sum((P - 1) * _share(b, P) for b in moved)
+    return Tiling(tuple(grid), end, halo, gather, messages + (P - 1) * len(moved), suffix.first if suffix else 0)
 
 
 def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
     """``prof`` as the leader of ``t``'s tile group holds and computes it (module docstring)."""
-    P, end = t.tiles, t.end
+    P, end, start = t.tiles, t.end, t.start
 
-    def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside
-        return all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
+    def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside a tiled range
+        prefix = all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
+        return prefix or (start > 0 and all(b >= start for b in s.boundaries) and min(s.touchers()) >= start)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
                      forward_working=_share(u.forward_working, P) + t.halo[i],
                      backward_working=_share(u.backward_working, P) + 2 * t.halo[i],
                      eval_working=_share(u.eval_working, P) + t.halo[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
-             if i < end else u for i, u in enumerate(prof.units)]
+             if t.tiled(i) else u for i, u in enumerate(prof.units)]
     storages = [replace(s, nbytes=_share(s.nbytes, P)) if tiled(s) else s for s in prof.storages]
     storages += [Storage(nbytes=b, savers=(u,), boundaries=()) for u, b in enumerate(t.halo) if b]
     return replace(prof, units=units, storages=storages, _matrix=None, _working=None)
@@ -119,20 +135,60 @@ def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
 
 def tiled_times(times: Sequence[float] | None, t: Tiling) -> list[float] | None:
     """Measured seconds per unit, the tiled units' shared by the group."""
-    return None if times is None else [x / t.tiles if u < t.end else x for u, x in enumerate(times)]
+    return None if times is None else [x / t.tiles if t.tiled(u) else x for u, x in enumerate(times)]
+
+
+class Suffixes:
+    """The suffixes worth pricing behind a prefix (``after``): the one starting at ``start`` when
+    given, else, for a model whose output is an image (a U-Net's), those among a few starts spread
+    over what follows the prefix and the starts with the smallest boundaries (a cheap scatter)
+    whose units can all be tiled (``suffix_limit``, one fake pass per start, kept)."""
+
+    def __init__(self, units: Sequence, names: Sequence[str], image: Sequence[int], stages: int,
+                 start: int | None, prof: ModelProfile, count: int = 4) -> None:
+        self.units, self.names, self.image, self.K, self.start, self.count = units, names, image, stages, start, count
+        self.boundary = prof.boundary_bytes()
+        shapes = prof.units[-1].output_shapes
+        self.dense = len(shapes) == 1 and len(shapes[0]) == 3 and min(shapes[0][1:]) > 1
+        self._reach: dict[int, Reach | None] = {}
+
+    def reach(self, start: int) -> Reach | None:
+        if start not in self._reach:
+            self._reach[start] = suffix_limit(self.units, self.names, self.image, start)
+        return self._reach[start]
+
+    def after(self, end: int, cuts: list[int] | None = None) -> list[Reach]:
+        """The suffixes after a prefix ending at ``end``, inside the last stage of ``cuts`` if given."""
+        n, lo = len(self.units), end + max(1, self.K - 1)   # stages between the prefix and the last hold a unit
+        lo = max(lo, cuts[-2]) if cuts else lo
+        if self.start is not None:
+            if not lo <= self.start < n:
+                return []
+            found = self.reach(self.start)
+            if found is None:
+                raise GemsError(f"the spatial suffix cannot start at unit {self.start}: a unit from there on cannot "
+                                "run on tiles, or its inputs are not images; start it later, or give no start")
+            return [found]
+        if not self.dense or lo >= n:
+            return []
+        spaced = {round(lo + i * (n - 1 - lo) / (self.count - 1)) for i in range(self.count)}
+        cheap = sorted(range(lo, n), key=lambda b: (self.boundary[b], b))[:self.count // 2]
+        return [r for r in (self.reach(b) for b in sorted(spaced | set(cheap))) if r is not None]
 
 
 def search(solve: Callable[[Tiling], Plan], reach: Reach, request: int | tuple[int, int] | str, end: int | None,
-           prof: ModelProfile, stages: int, cuts: list[int] | None) -> Plan | None:
+           prof: ModelProfile, stages: int, cuts: list[int] | None, suffixes: Suffixes | None = None) -> Plan | None:
     """The best plan ``solve`` makes with a spatial part as requested: a grid, P tiles (the grid
     with the least halo traffic for each end tried) or "auto" (``AUTO_TILES`` in turn, the first P
     with a plan that fits); ``end`` given, or among ``candidate_ends`` the plan that fits
-    fastest, else the one with the least peak (longer prefixes win ties). None when "auto"
-    finds nothing that fits. GemsError with the fix for a part that cannot be."""
+    fastest, else the one with the least peak (longer spatial parts win ties); with ``suffixes``,
+    each end also with each suffix after it (only with one when a start is given). None when
+    "auto" finds nothing that fits. GemsError with the fix for a part that cannot be."""
     if reach.end == 0 and request == "auto":
         return None
     if reach.end == 0 or (end is not None and end > reach.end):
-        raise GemsError(reach.reason)
+        raise GemsError(reach.reason or f"the model has {reach.end} units: give the spatial part an end of at most "
+                                         f"{reach.end}")
     most = min(reach.end, len(prof) - stages + 1, cuts[1] if cuts else len(prof))
     if end is not None and end > most:
         raise GemsError(f"the spatial part must end inside stage 0, which here ends at unit {most} at the latest: "
@@ -145,8 +201,16 @@ def search(solve: Callable[[Tiling], Plan], reach: Reach, request: int | tuple[i
         options = []
         for e in ([end] if end is not None else candidate_ends(prof, most)):
             grid = _grid(reach, count, e, forced=end is not None)
-            if grid is not None:
+            if grid is None:
+                continue
+            if suffixes is None or suffixes.start is None:
                 options.append(solve(tiling(reach, grid, e, prof)))
+            for tail in (suffixes.after(e, cuts) if suffixes else []):
+                if _covers(tail, grid):
+                    options.append(solve(tiling(reach, grid, e, prof, tail)))
+        if not options and suffixes is not None and suffixes.start is not None:
+            raise GemsError(f"the spatial suffix cannot start at unit {suffixes.start}: it must start after the "
+                            f"prefix's end, inside the last stage and before unit {len(prof)}; give another start")
         best = min(options, key=_rank, default=None)
         if request != "auto" or (best is not None and best.fits):
             return best
@@ -177,6 +241,14 @@ def candidate_ends(prof: ModelProfile, most: int, count: int = 8) -> list[int]:
     return sorted(spaced | set(smallest) | {most})
 
 
+def _covers(tail: Reach, grid: tuple[int, int]) -> bool:
+    """Whether every tiled activation of a suffix holds a tile of ``grid``."""
+    try:
+        return tail.end_for(grid) == tail.end
+    except GemsError:
+        return False
+
+
 def _holds(reach: Reach, grid: tuple[int, int]) -> bool:
     """Whether unit 0's tiled activations hold a tile of ``grid``."""
     try:
@@ -187,9 +259,10 @@ def _holds(reach: Reach, grid: tuple[int, int]) -> bool:
 
 def _rank(plan: Plan) -> tuple:
     """Plans that fit first, the fastest of them; else the least peak; longer spatial parts on ties."""
+    tiled = plan.spatial_end + (len(plan.unit_names) - plan.spatial_start if plan.spatial_start else 0)
     if plan.fits:
-        return 0, max(p.seconds for p in plan.positions), -plan.spatial_end
-    return 1, plan.peak_bytes, -plan.spatial_end
+        return 0, max(p.seconds for p in plan.positions), -tiled
+    return 1, plan.peak_bytes, -tiled
 
 
 def _share(n: int, P: int) -> int:

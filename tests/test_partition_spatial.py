@@ -83,6 +83,51 @@ def test_json_round_trip():
     assert "world 4 ranks = 1 group(s) x (2 + 1 x 2)" in back.table()
 
 
+def _unet():
+    from gems.models.unet import UNet
+
+    return UNet(num_classes=5, width=4, depth=3, groups=2)
+
+
+def test_a_unet_suffix_is_priced_as_tiles_and_kept_inside_the_last_stage():
+    """The zoo U-Net (units: encoder [0, 14), middle, full-resolution decoder from unit 28): with the
+    decoder tail as a suffix the leader keeps less than with the same prefix alone; under mast the
+    suffix stays inside the last stage and no recompute segment crosses its start."""
+    prefix = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE)
+    both = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, **BASE)
+    assert (prefix.spatial_start, both.spatial_start) == (0, 28)
+    assert both.positions[0].activation_bytes < 0.8 * prefix.positions[0].activation_bytes
+    assert both.stage_estimates[0].spatial_seconds > prefix.stage_estimates[0].spatial_seconds   # the scatter, gather
+    mast = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, batch_size=2, stages=2,
+                schedule="mast", recompute="all")
+    assert mast.cuts[1] >= 14 and mast.cuts[1] <= 28 and mast.spatial_start == 28
+    assert not any(a < 28 < b for a, b in mast.policies[1].recompute)
+    mast.check()
+    back = Plan.from_json(mast.to_json())
+    assert back.spatial_start == 28 and "the last stage's units [28, 37)" in back.table()
+
+
+def test_the_planner_finds_a_suffix_for_a_unet_and_none_for_a_classifier():
+    assert plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE).spatial_start == 0
+    auto = plan(_unet(), (3, 64, 64), spatial=2, batch_size=2, stages=2, schedule="mast")
+    assert auto.spatial_start >= auto.cuts[1] and auto.spatial_end <= auto.cuts[1]
+    assert auto.spatial_start > 0   # the decoder's full-resolution tail is worth tiling
+    assert plan(GroupNormNet(), (3, 64, 64), spatial=2, **BASE).spatial_start == 0
+    given = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **BASE)   # the prefix's end chosen before it
+    assert given.spatial_start == 28 and given.spatial_end < 28
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(spatial_end=14, spatial_start=10, **BASE), "the spatial suffix cannot start at unit 10"),
+    (dict(spatial_end=14, spatial_start=37, **BASE), "the spatial suffix cannot start at unit 37"),
+    (dict(spatial_end=14, spatial_start=28, batch_size=2, stages=2, schedule="1f1b", micro_batches=2),
+     "a spatial suffix needs --spatial, one stage or --schedule mast"),
+])
+def test_a_suffix_that_cannot_be_names_the_fix(kwargs, message):
+    with pytest.raises(GemsError, match=message):
+        plan(_unet(), (3, 64, 64), spatial=2, **kwargs)
+
+
 @pytest.mark.parametrize("value", [0, "0", "2x", "x2", "2x0", "four", 2.5, True])
 def test_parse_spatial_refuses(value):
     with pytest.raises(GemsError, match="--spatial must be"):

@@ -74,9 +74,11 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
-           split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None):
-    model, plan = _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points, recompute)
-    world = ranks_per_group(K, schedule, grid[0] * grid[1]) * groups
+           split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None,
+           made=None):
+    model, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
+                                recompute)
+    world = ranks_per_group(K, schedule, plan.tiles) * groups
     micro = plan.micro_batch_size
     copies = []
     for _ in range(world):   # traced here, in the main thread (fx patches nn.Module while tracing)
@@ -155,6 +157,28 @@ def test_a_unet_with_a_tiled_suffix_under_mast(split):
     member holds both stages' tiled units), recompute segments on both sides of the suffix's start."""
     _check(_train(36, 4, 2, "mast", (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet, split=split,
                   split_points=["up.0.0"], recompute={1: [[22, 28], [28, 33]]}), 4, 36, net=_unet)
+
+
+def test_a_planned_unet_suffix_under_mast_equals_one_process():
+    """The planner's own choice of prefix, suffix, cuts and policies (recompute on every stage)."""
+    torch.manual_seed(0)
+    model = _unet()
+    plan = partition.plan(model, (3, 36, 36), 4, stages=2, schedule="mast", device="cpu", spatial=(2, 1),
+                          recompute="all")
+    assert 0 < plan.spatial_end <= plan.cuts[1] <= plan.spatial_start
+    _check(_train(36, 4, 2, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
+
+
+def test_recompute_segments_that_start_with_an_in_place_unit():
+    """No spatial part: the U-Net under mast with recompute on every stage, whose segments start at
+    its ReLU(inplace=True) units (checkpoint keeps a segment's input to recompute from; the
+    segment runs on a copy of it)."""
+    torch.manual_seed(0)
+    model = _unet()
+    plan = partition.plan(model, (3, 36, 36), 4, stages=2, schedule="mast", device="cpu", recompute="all")
+    names = plan.unit_names
+    assert any(names[a].endswith((".2", ".5")) for policy in plan.policies for a, _ in policy.recompute)
+    _check(_train(36, 4, 2, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
 
 
 def test_a_suffix_needs_the_tile_groups_of_stage_0():

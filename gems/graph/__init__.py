@@ -47,10 +47,11 @@ from gems.errors import GemsError
 from .chain import chain_graph, input_error
 from .export import Together, export_graph
 from .routes import UNREAD, stage_routes
-from .split import INPLACE_INPUTS, READS, fold_constants, split, unpack_tuples
+from .split import INPLACE_INPUTS, READS, fold_constants, split, unpack_tuples, writes_inputs
 from .trace import TRACING, VALUE, Tracer, untraceable
 
-__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "stage_routes", "input_error", "INPLACE_INPUTS",
+__all__ = ["GraphUnits", "graph_units", "balance_at", "check_tied", "stage_routes", "input_error", "writes_inputs",
+           "INPLACE_INPUTS",
            "READS", "UNREAD"]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gems.errors import GemsError
@@ -170,6 +170,16 @@ def _aliases(a: object, b: object) -> bool:
     """Whether two values are tensors over one storage (one a view of the other)."""
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
         StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
+
+
+def writes_inputs(unit: nn.Module) -> bool:
+    """Whether a traced ``unit`` overwrites a tensor it is given (``nn.ReLU(inplace=True)`` first
+    thing); False for a module that is not a traced graph."""
+    if not isinstance(unit, fx.GraphModule):
+        return False
+    given = {n for n in unit.graph.nodes if n.op == "placeholder"}
+    given |= {n for n in unit.graph.nodes if n.target is operator.getitem and n.args and n.args[0] in given}
+    return any(_writes_in_place(unit, user, n) for n in given for user in n.users)
 
 
 def _writes_in_place(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> bool:

@@ -136,7 +136,8 @@ class Engine:
         self.grads.keep_grads_in_bucket(self.optimizer)
         messenger = NoMessages(self.position) if self.tile else Messenger(
             comm, self.topology, lists, self.position, routes, batches.rows_per_micro, self.device, prefetch)
-        waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(self.actions)}
+        # a member recomputes where its leader does: whether a forward waits is a question of the leader's list
+        waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(lists[self.position])}
         # (replica, micro) of the micro-batches whose loss this rank computes (their normalisers)
         self._losses_here = [(a.replica, a.micro) for a in self.actions
                              if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]

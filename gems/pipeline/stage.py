@@ -76,7 +76,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gems.errors import GemsError
-from gems.graph import INPLACE_INPUTS
+from gems.graph import INPLACE_INPUTS, writes_inputs
 from gems.pipeline.offload import HostPool, _Offload
 from gems.plan import StagePolicy
 
@@ -150,7 +150,10 @@ class StageRunner:
             xs = inputs
             for piece, recompute in self._pieces[waiting]:
                 if recompute:
-                    xs = checkpoint(functools.partial(_run, piece), *xs, use_reentrant=False,
+                    # a segment whose first unit writes its input in place runs on a copy: checkpoint keeps
+                    # the input itself to recompute from, and refuses one written after it kept it
+                    run = _run_on_copies if writes_inputs(_first_unit(piece)) else _run
+                    xs = checkpoint(functools.partial(run, piece), *xs, use_reentrant=False,
                                     preserve_rng_state=True, context_fn=functools.partial(_contexts, piece))
                 else:
                     xs = _run(piece, *xs)
@@ -188,6 +191,16 @@ def _pieces(module: nn.Sequential, first_unit: int,
 
 def _run(piece: nn.Sequential, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return as_tuple(piece(unpack(xs)))
+
+
+def _run_on_copies(piece: nn.Sequential, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _run(piece, *(x.clone() for x in xs))
+
+
+def _first_unit(piece: nn.Sequential) -> nn.Module:
+    """The unit a piece starts with (a tiled unit's graph: ``gems.spatial``'s TiledUnit runs ``flat``)."""
+    unit = piece[0] if len(piece) else piece
+    return getattr(unit, "flat", unit)
 
 
 def _contexts(piece: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

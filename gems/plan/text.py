@@ -80,7 +80,11 @@ def _spatial(plan) -> list[str]:
     holders = [p.position for p in plan.positions if 0 in p.stages]
     world = plan.groups * (plan.stages + (plan.tiles - 1) * len(holders))
     names = plan.unit_names[:plan.spatial_end]
-    return [f"spatial: stage 0's units [0, {plan.spatial_end}) ({_span(names)}) on a {rows}x{cols} tile grid: "
+    n = len(plan.unit_names)
+    suffix = (f" and the last stage's units [{plan.spatial_start}, {n}) "
+              f"({_span(plan.unit_names[plan.spatial_start:])}, inputs scattered, output gathered)"
+              if plan.spatial_start else "")
+    return [f"spatial: stage 0's units [0, {plan.spatial_end}) ({_span(names)}){suffix} on a {rows}x{cols} tile grid: "
             f"{plan.tiles} ranks per tile group at position(s) {','.join(map(str, holders))} (estimates: the group's "
             f"first rank, which gathers the rest); world {world} ranks = {plan.groups} group(s) x ({plan.stages} + "
             f"{plan.tiles - 1} x {len(holders)})"]

@@ -4,6 +4,7 @@ analysis seen from the planner, without running anything (one fake pass, ``recor
     reach = spatial_limit(units, names, (2, 3, 16384, 16384))
     reach.end, reach.reason   # units [0, end) can be tiled; why no further (None: all units can)
     reach.windows             # the sliding windows (convolutions, pooling) of those units
+    suffix_limit(units, names, image, start)   # units [start, n) on tiles, inputs scattered: a Reach, or None
 
 The spatial part ends before the first unit that ``analyse`` refuses (its sentence is the
 reason), and after the first unit that leaves nothing tiled (a global pooling: what follows runs
@@ -24,7 +25,7 @@ from torch import fx, nn
 from gems.errors import GemsError
 from gems.spatial.geometry import halo
 from gems.spatial.ops import _pair, conv_padding
-from gems.spatial.stage import check_grid, flatten
+from gems.spatial.stage import check_grid, flatten, input_shapes
 from gems.spatial.unit import analyse, record_sizes
 
 HW = tuple[int, int]
@@ -70,20 +71,21 @@ class Reach:
     end: int
     reason: str | None        # a sentence naming the unit that ends the reach; None: every unit is tiled
     windows: list[Window]
-    sizes: list[list[HW]]     # per unit < end: the global (H, W) of its tiled values
+    sizes: list[list[HW]]     # per unit in [first, end): the global (H, W) of its tiled values
     names: list[str]
+    first: int = 0            # a suffix's start (its inputs scattered); 0: a prefix from the image
 
     def end_for(self, grid: HW, end: int | None = None) -> int:
         """The longest prefix, up to ``end`` (default: the reach), whose tiled activations all hold
         a tile of ``grid``; GemsError (``check_grid``'s sentence) when not even unit 0's do."""
         end = self.end if end is None else end
-        for k in range(end):
+        for k in range(end - self.first):
             try:
-                check_grid(self.sizes[k], self.names[k], grid)
+                check_grid(self.sizes[k], self.names[self.first + k], grid)
             except GemsError:
                 if k == 0:
                     raise
-                return k
+                return self.first + k
         return end
 
 
@@ -105,6 +107,29 @@ def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: 
                                 f"it is worth tiling; end the spatial part at most {k + 1} units in, after unit "
                                 f"{names[k]}", windows, sizes, list(names))
     return Reach(len(units), None, windows, sizes, list(names))
+
+
+def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequence[int], start: int) -> Reach | None:
+    """The Reach of units [start, n) run on tiles, their inputs (images, all of them) scattered
+    from the leader; None when one of those units cannot be tiled, or leaves nothing tiled before
+    the model's end (then a suffix there saves nothing)."""
+    tail = [flatten(unit) for unit in units[start:]]
+    shapes = record_sizes(tail, torch.Size(image), units[:start])
+    try:
+        scattered = input_shapes(tail[0], shapes[0], names[start])
+    except GemsError:
+        return None
+    tiled_in, windows, sizes = [True] * len(scattered), [], []
+    for k, (unit, found) in enumerate(zip(tail, shapes)):
+        try:
+            plan, tiled_in = analyse(unit, names[start + k], found, tiled_in)
+        except GemsError:
+            return None
+        sizes.append([node.size_out for node in plan.values() if node.tiled] + [tuple(s[2:]) for s in scattered])
+        windows += [w for n in plan for w in _window(unit, n, start + k, found)]
+        if not any(tiled_in) and k < len(tail) - 1:
+            return None
+    return Reach(len(units), None, windows, sizes, list(names), start)
 
 
 def _window(unit: fx.GraphModule, n: fx.Node, k: int, shapes: dict) -> list[Window]:

@@ -112,10 +112,10 @@ def _tiled(units: list[nn.Module], first: int, names: Sequence[str], tiles: Tile
     with ``scatter_in`` a boundary the first one scatters), the last one's outputs gathered."""
     flats = [flatten(unit) for unit in units]
     sizes = record_sizes(flats, torch.Size(image), before)
-    tiled_in = [True] * (_inputs(flats[0], sizes[0]) if scatter_in else 1)
+    tiled_in = [True] * (inputs_of(flats[0], sizes[0]) if scatter_in else 1)
     scatters = None
     if scatter_in:
-        scatters = _input_shapes(flats[0], sizes[0], names[first])
+        scatters = input_shapes(flats[0], sizes[0], names[first])
         check_grid([tuple(shape[2:]) for shape in scatters], names[first], tiles.grid)
     made = []
     for k, (unit, flat, shapes) in enumerate(zip(units, flats, sizes)):
@@ -132,7 +132,7 @@ def _tiled(units: list[nn.Module], first: int, names: Sequence[str], tiles: Tile
     return made
 
 
-def _inputs(flat: fx.GraphModule, shapes: dict) -> int:
+def inputs_of(flat: fx.GraphModule, shapes: dict) -> int:
     """How many tensors a unit takes: its placeholder's, or the tuple its getitems read."""
     placeholder = next(n for n in flat.graph.nodes if n.op == "placeholder")
     if placeholder in shapes:
@@ -140,7 +140,7 @@ def _inputs(flat: fx.GraphModule, shapes: dict) -> int:
     return 1 + max((n.args[1] for n in placeholder.users if n.target is operator.getitem), default=0)
 
 
-def _input_shapes(flat: fx.GraphModule, shapes: dict, name: str) -> list[tuple[int, ...]]:
+def input_shapes(flat: fx.GraphModule, shapes: dict, name: str) -> list[tuple[int, ...]]:
     """The global shapes of a suffix's inputs; GemsError unless every one is an image-like
     (N, C, H, W) tensor, the only kind a tile group can share out."""
     placeholder = next(n for n in flat.graph.nodes if n.op == "placeholder")
@@ -148,7 +148,7 @@ def _input_shapes(flat: fx.GraphModule, shapes: dict, name: str) -> list[tuple[i
         found = [shapes[placeholder]]
     else:
         reads = {n.args[1]: shapes.get(n) for n in placeholder.users if n.target is operator.getitem}
-        found = [reads.get(i) for i in range(_inputs(flat, shapes))]
+        found = [reads.get(i) for i in range(inputs_of(flat, shapes))]
     if any(shape is None or len(shape) != 4 for shape in found):
         raise GemsError(f"the spatial suffix cannot start at unit {name}: its inputs are not all images (N, C, H, W) "
                         "that tiles can split; start it at another unit, or train without a suffix")
