@@ -140,6 +140,8 @@ def test_parse_spatial_refuses(value):
     (["--spatial", "64"], "larger than the tile side allows"),
     (["--spatial", "2", "--spatial-end", "30"], "end the spatial part at most 21 units in"),
     (["--spatial", "2", "--spatial-end", "0"], "not a positive integer"),
+    (["--spatial", "2", "--spatial-start", "x"], "is not a whole number"),
+    (["--spatial", "2", "--spatial-start", "20"], "the spatial suffix cannot start at unit 20"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(capsys, extra, message):
     try:

@@ -64,6 +64,13 @@ def positive(text: str) -> int:
     return value
 
 
+def whole(text: str) -> int:
+    """A unit number, 0 included."""
+    if not text.strip().isdecimal():
+        raise GemsError(f"{text!r} is not a whole number: give a unit number, or 0")
+    return int(text)
+
+
 def class_count(text: str) -> int:
     value = positive(text)
     if value > MAX_CLASSES:
@@ -112,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "plan without tiles fits; none given: auto with --memory-budget")
     p.add_argument("--spatial-end", type=checked(positive), metavar="UNITS",
                    help="the spatial part is units [0, UNITS) (default: where the plan is best)")
+    p.add_argument("--spatial-start", type=checked(whole), metavar="UNIT",
+                   help="with one stage or --schedule mast, also tile the last stage's units from UNIT on (a "
+                        "U-Net's full-resolution decoder); 0: no such suffix (default: where the plan is best)")
     p.add_argument("--recompute", default="none", choices=MODES,
                    help="recompute activations in backward instead of keeping them: on every stage (all), "
                         "or only where --memory-budget needs it (auto)")
@@ -211,14 +221,14 @@ def _plan(args: argparse.Namespace) -> None:
                    efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
                    leaf_modules=args.leaf_module, split_backward=args.split_backward,
                    shard_optimizer=args.shard_optimizer, profiles={},   # each micro-batch size profiled once
-                   spatial=args.spatial, spatial_end=args.spatial_end)
+                   spatial=args.spatial, spatial_end=args.spatial_end, spatial_start=args.spatial_start)
     if args.sweep:
         print(_sweep(model, shape, options, args))
         return
     if args.measure_time:
         # Check the input on fake tensors first, so that a bad size fails cleanly, not mid-timing.
         plan(model, shape, **{**options, "stages": 1, "balance": None, "memory_budget": None, "split_points": None,
-                              "spatial": None, "spatial_end": None})
+                              "spatial": None, "spatial_end": None, "spatial_start": None})
         micro_batch = args.batch_size // (args.groups * replicas(args.schedule) * args.micro_batches)
         options["unit_times"] = measure_times(model, shape, micro_batch, dtype=getattr(torch, args.dtype))
     # with a budget and no --spatial, a spatial part is tried where nothing else fits (not in sweeps: each plan would)
