@@ -12,7 +12,8 @@ as usual::
                       + per sliding window the halo rows and columns its tile fetches
                         (``Window.fetched``: kept for backward, and its gradient in backward)
     the image         a tile / P: the engine moves only this rank's tile of the batch to the device
-    the gathered boundary at ``end``, and all after it up to a suffix: full
+    the gathered boundary at ``end``, and all after it up to a suffix: full; while gathering (or
+                      scattering) a boundary, the other tiles' share of it in receive buffers
     parameters, gradients, optimizer state, buffers: full on every member
 
 Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
@@ -122,10 +123,17 @@ def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
     def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside a tiled range
         prefix = all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
         return prefix or (start > 0 and all(b >= start for b in s.boundaries) and min(s.touchers()) >= start)
+    # the leader's receive (and send) buffers of the other tiles while it gathers (scatters) a boundary,
+    # forward and backward
+    boundary, moving = prof.boundary_bytes(), [0] * len(prof)
+    moving[end - 1] = (P - 1) * _share(int(boundary[end]), P)
+    if start:
+        moving[start] += (P - 1) * _share(int(boundary[start]), P)
+        moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
-                     forward_working=_share(u.forward_working, P) + t.halo[i],
-                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i],
-                     eval_working=_share(u.eval_working, P) + t.halo[i],
+                     forward_working=_share(u.forward_working, P) + t.halo[i] + moving[i],
+                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + moving[i],
+                     eval_working=_share(u.eval_working, P) + t.halo[i] + moving[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
              if t.tiled(i) else u for i, u in enumerate(prof.units)]
     storages = [replace(s, nbytes=_share(s.nbytes, P)) if tiled(s) else s for s in prof.storages]

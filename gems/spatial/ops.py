@@ -269,16 +269,60 @@ class _BatchNorm(torch.autograd.Function):
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
-    """F.group_norm with each group's mean and variance over the whole image."""
-    N, C = x.shape[:2]
-    g = x.reshape(N, num_groups, C // num_groups, *x.shape[2:])
-    n = (C // num_groups) * size[0] * size[1]
-    mean = allreduce(g.sum((2, 3, 4)), tiles) / n
-    centred = g - mean.view(N, num_groups, 1, 1, 1)
-    var = allreduce(centred.square().sum((2, 3, 4)), tiles) / n
-    y = (centred * torch.rsqrt(var + eps).view(N, num_groups, 1, 1, 1)).reshape(x.shape)
-    if weight is not None:
-        y = y * weight.view(1, -1, 1, 1)
-    if bias is not None:
-        y = y + bias.view(1, -1, 1, 1)
-    return y
+    """F.group_norm with each group's mean and variance over the whole image (``_GroupNorm``)."""
+    n = (x.shape[1] // num_groups) * size[0] * size[1]
+    return _GroupNorm.apply(x, weight, bias, tiles, num_groups, n, eps)
+
+
+class _GroupNorm(torch.autograd.Function):
+    """GroupNorm over a tile group, keeping only its input for backward as PyTorch's does (a
+    composition of tensor ops would keep the centred and the normalised tile too).
+
+    Each (sample, group) is one channel of ``x`` viewed as (1, N x G, rest), so the statistics and
+    the input's gradient are ``_BatchNorm``'s on that view: PyTorch's fused statistics and
+    eval-mode backward per tile, their sums added over the tiles. The weight's and bias's
+    gradients are this tile's Σ dy·x̂ and Σ dy (summed over the tiles later by the gradient sync)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tiles: TileGroup, groups: int, n: int, eps: float):
+        N, C = x.shape[:2]
+        view = x.reshape(1, N * groups, -1)
+        mean, var = torch.batch_norm_update_stats(view, None, None, 0.0)
+        count = view.shape[2]
+        sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
+        sums = allreduce(sums, tiles) / n
+        mean, var = sums[0].to(x.dtype), (sums[1] - sums[0].square()).clamp_min(0).to(x.dtype)
+        y = F.batch_norm(view, mean, var, None, None, False, 0.0, eps).reshape(x.shape)
+        if weight is not None:
+            y = torch.addcmul(bias.view(1, C, 1, 1), y, weight.view(1, C, 1, 1)) if bias is not None \
+                else y * weight.view(1, C, 1, 1)
+        elif bias is not None:
+            y = y + bias.view(1, C, 1, 1)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.tiles, ctx.groups, ctx.n, ctx.eps, ctx.has_bias = tiles, groups, n, eps, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, var = ctx.saved_tensors
+        N, C = x.shape[:2]
+        view = x.reshape(1, N * ctx.groups, -1)
+        dxhat = (grad * weight.view(1, C, 1, 1) if weight is not None else grad).reshape(view.shape).contiguous()
+        ones = torch.ones_like(mean)
+        _, dw, db = torch.ops.aten.native_batch_norm_backward(dxhat, view, ones, mean, var, None, None, False,
+                                                              ctx.eps, [False, True, True])
+        total = allreduce(torch.stack([db, dw]), ctx.tiles) / ctx.n   # mean(dx̂), mean(dx̂·x̂) per group
+        a = torch.rsqrt(var + ctx.eps)
+        b = -a * a * total[1]
+        c = -a * total[0] - b * mean
+        shape = (1, -1, 1)
+        gx = torch.addcmul(torch.addcmul(c.view(shape), view, b.view(shape)), dxhat, a.view(shape)).reshape(x.shape)
+        gw = gb = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            xhat = F.batch_norm(view, mean, var, None, None, False, 0.0, ctx.eps).reshape(x.shape)
+            gw = (grad * xhat).sum((0, 2, 3))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.sum((0, 2, 3))
+        return gx, gw, gb, None, None, None, None
+
+
