@@ -150,6 +150,9 @@ BAD_INPUT = [
     (["--stages", "1", "--spatial", "2", "--batch-norm", "deferred"], "not deferred"),
     (["--stages", "1", "--enforce-memory-budget"], "--enforce-memory-budget needs --memory-budget (or a --plan made "
                                                    "with one)"),
+    (["--stages", "1", "--model", "unet", "--model-arg", "width=4", "--model-arg", "depth=2"],
+     "scores per image (a class per pixel): pass --task segmentation"),
+    (["--stages", "1", "--task", "segmentation"], "not a class per pixel: pass --task classification"),
 ]
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gems import models, partition
+from gems.graph import graph_units
 from gems.obs import memory
 from gems.train import checkpoint
 from gems.pipeline import schedule as sch
@@ -48,10 +49,11 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                 raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
                                 f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
                                 "or make a new plan")
-        if plan.unit_names != [name for name, _ in model.named_children()]:
+        # the units the engine runs: the model traced as gems-plan traced it
+        names = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules).unit_names
+        if plan.unit_names != names:
             raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
-                            f"{cfg.model} has {_names([name for name, _ in model.named_children()])}: "
-                            "make the plan for this model")
+                            f"{cfg.model} has {_names(names)}: make the plan for this model")
         if plan.tiles != cfg.tiles():
             raise GemsError(f"{cfg.plan} was made for tile groups of {plan.tiles} rank(s), not {cfg.tiles()}: pass "
                             f"--spatial {'x'.join(map(str, plan.spatial_grid)) or 1} or make a new plan")
@@ -75,6 +77,16 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
                           spatial=cfg.spatial)
+
+
+def check_task(task: str, output: list[int], model: str) -> None:
+    """GemsError when the model's output (per image, from the plan) does not suit ``task``."""
+    if task == "classification" and len(output) == 3 and min(output[1:]) > 1:
+        raise GemsError(f"{model} outputs {'x'.join(map(str, output))} scores per image (a class per pixel): pass "
+                        "--task segmentation (masks as labels), or train a model with one score per class")
+    if task == "segmentation" and len(output) != 3:
+        raise GemsError(f"{model} outputs {'x'.join(map(str, output))} scores per image, not a class per pixel: "
+                        "pass --task classification, or train a segmentation model")
 
 
 def _names(names: list[str]) -> str:
@@ -208,6 +220,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     if cfg.init_from:   # every rank reads the same file, so all start from the same weights
         models.load_initial_state(model, cfg.init_from, cfg.init_exclude)
     plan = make_plan(cfg, model, topo.groups, comm.device.type)
+    check_task(cfg.task, plan.stage_output_shapes[-1][0], cfg.model)
     if plan.fits is False:
         worst = max(plan.positions, key=lambda p: p.peak_bytes)
         fixes = [f"--stages {plan.smallest_fitting_stages}"] if plan.smallest_fitting_stages else []
