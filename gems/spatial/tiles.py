@@ -115,19 +115,7 @@ class _Gather(torch.autograd.Function):
         if not tiles.leader:
             tiles.exchange([(tiles.ranks[0], x) for x in xs], [], "the leader to take a tile")
             return tuple(x.new_zeros(()) for x in xs)
-        wholes = [x.new_empty(shape) for x, shape in zip(xs, shapes)]
-        recvs = []
-        for whole, x in zip(wholes, xs):
-            for index, peer in enumerate(tiles.ranks):
-                view = _view(whole, tiles, index)
-                if index == 0:
-                    view.copy_(x)
-                else:
-                    recvs.append((peer, view, x.new_empty(view.shape)))
-        tiles.exchange([], [(peer, b) for peer, _, b in recvs], "the tiles of a boundary")
-        for _, view, b in recvs:
-            view.copy_(b)
-        return tuple(wholes)
+        return tuple(_assemble(tiles, xs, shapes, "the tiles of a boundary"))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -136,9 +124,7 @@ class _Gather(torch.autograd.Function):
             gs = [grads[0].new_empty(shape) for shape in ctx.tile_shapes]
             tiles.exchange([], [(tiles.ranks[0], g) for g in gs], "the gradient of a tile from the leader")
             return None, None, *gs
-        sends = [(peer, _view(g, tiles, index)) for g in grads for index, peer in enumerate(tiles.ranks) if index]
-        tiles.exchange(sends, [], "a member to take its tile's gradient")
-        return None, None, *(_view(g, tiles, 0).clone() for g in grads)
+        return None, None, *_hand_out(tiles, grads, "a member to take its tile's gradient")
 
 
 class _Scatter(torch.autograd.Function):
@@ -150,10 +136,7 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx, tiles: TileGroup, shapes: list[tuple[int, ...]], dtype: torch.dtype, *xs: torch.Tensor):
         ctx.tiles, ctx.shapes, ctx.inputs = tiles, shapes, len(xs)
         if tiles.leader:
-            sends = [(peer, _view(x, tiles, index).to(dtype)) for x in xs for index, peer in enumerate(tiles.ranks)
-                     if index]
-            tiles.exchange(sends, [], "a member to take its tile of a boundary")
-            return tuple(_view(x, tiles, 0).to(dtype, copy=True) for x in xs)
+            return tuple(_hand_out(tiles, xs, "a member to take its tile of a boundary", dtype))
         mine = [xs[0].new_empty(tile_shape(shape, tiles, tiles.index), dtype=dtype) for shape in shapes]
         tiles.exchange([], [(tiles.ranks[0], t) for t in mine], "the tiles of a boundary from the leader")
         return tuple(mine)
@@ -165,19 +148,32 @@ class _Scatter(torch.autograd.Function):
             tiles.exchange([(tiles.ranks[0], g) for g in grads], [], "the leader to take a tile's gradient")
             return None, None, None, *(torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)
                                        for _ in range(ctx.inputs))
-        wholes = [grads[0].new_empty(shape) for shape in ctx.shapes]
-        recvs = []
-        for whole, g in zip(wholes, grads):
-            for index, peer in enumerate(tiles.ranks):
-                view = _view(whole, tiles, index)
-                if index == 0:
-                    view.copy_(g)
-                else:
-                    recvs.append((peer, view, g.new_empty(view.shape)))
-        tiles.exchange([], [(peer, b) for peer, _, b in recvs], "the gradients of a boundary's tiles")
-        for _, view, b in recvs:
-            view.copy_(b)
-        return None, None, None, *wholes
+        return None, None, None, *_assemble(tiles, grads, ctx.shapes, "the gradients of a boundary's tiles")
+
+
+def _assemble(tiles: TileGroup, mine, shapes, what: str) -> list[torch.Tensor]:
+    """Leader: the whole tensors of ``shapes`` from its own tiles ``mine`` and every member's."""
+    wholes = [t.new_empty(shape) for t, shape in zip(mine, shapes)]
+    recvs = []
+    for whole, t in zip(wholes, mine):
+        for index, peer in enumerate(tiles.ranks):
+            view = _view(whole, tiles, index)
+            if index == 0:
+                view.copy_(t)
+            else:
+                recvs.append((peer, view, t.new_empty(view.shape)))
+    tiles.exchange([], [(peer, b) for peer, _, b in recvs], what)
+    for _, view, b in recvs:
+        view.copy_(b)
+    return wholes
+
+
+def _hand_out(tiles: TileGroup, wholes, what: str, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Leader: every member's tile of each whole tensor sent to it (in ``dtype``); its own tiles, copied."""
+    sends = [(peer, _view(w, tiles, index).to(dtype or w.dtype)) for w in wholes
+             for index, peer in enumerate(tiles.ranks) if index]
+    tiles.exchange(sends, [], what)
+    return [_view(w, tiles, 0).to(dtype or w.dtype, copy=True) for w in wholes]
 
 
 def tile_shape(shape: tuple[int, ...], tiles: TileGroup, index: int) -> tuple[int, ...]:
