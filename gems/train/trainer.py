@@ -259,7 +259,10 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                 raise GemsError(f"{resume_from} holds {meta.get('model')} for {meta.get('task', 'classification')} "
                                 f"with {meta.get('num_classes')} classes, not {cfg.model} for {cfg.task} with "
                                 f"{data.num_classes}: use another --checkpoint-dir or drop --resume")
-            units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
+            # the stages this rank's engine holds: with a spatial suffix a member holds the last one too
+            mine = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles(), bool(plan.spatial_start)).stages_of(
+                comm.rank)
+            units = range(min(plan.cuts[s] for s in mine), max(plan.cuts[s + 1] for s in mine))
             resume_state = checkpoint.load_stages(resume_from, units)
     return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state, loss, validation)
 
