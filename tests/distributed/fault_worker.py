@@ -18,12 +18,21 @@ GEMS_FAULT holds comma-separated ``key=value`` pairs:
   stage shard, then its RNG file, and rank 0 then the manifest; other ranks only their RNG file.
 - ``stage`` / ``replica``: count only actions of that stage or replica (forward, backward, recv,
   send).
+- ``timeout``: seconds; once this process's first training step is done, the communicator's
+  timeout becomes this (``--timeout`` then only bounds the start-up, which loaded cores and a data
+  workers' fork server can make slow), so survivors waiting on the dead rank give up soon.
 
 If GEMS_FAULT_RECORD names a directory, the dying rank writes ``killed.json`` there just before
 dying (``{"rank", "at", "step", "what", "time"}``, ``time.time()``), and every rank that fails
 through ``Comm.guard`` writes ``failed-rank-R.json`` (``{"rank", "line", "time"}``, its one-line
 failure) before aborting: a test learns what happened from files, which an abort cannot lose the
 way it can lose a line still in the launcher's pipes. Without GEMS_FAULT this is plain gems-train.
+
+If GEMS_FAULT_THEN holds a JSON list of gems-train argument lists, a run that ends with status 0 is
+followed by gems-train runs with each of them in turn, as long as they end with status 0, in the same
+processes (one communicator per backend, made by the first run that uses it): runs nobody kills, such as
+resumes to the end and uninterrupted reference runs, that cost no launch (no interpreter start, no
+torch import) of their own.
 """
 from __future__ import annotations
 
@@ -48,11 +57,12 @@ def parse(spec: str) -> dict[str, int | str]:
     fault: dict[str, int | str] = {"rank": 0, "nth": 1}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        fault[key.strip()] = value.strip() if key.strip() == "at" else int(value)
+        key = key.strip()
+        fault[key] = value.strip() if key == "at" else float(value) if key == "timeout" else int(value)
     if fault.get("at") not in KINDS or "step" not in fault or set(fault) - {"at", "step", "rank", "nth",
-                                                                          "stage", "replica"}:
+                                                                          "stage", "replica", "timeout"}:
         sys.exit(f"fault_worker: GEMS_FAULT={spec!r}: want at={'|'.join(KINDS)},step=N"
-                 "[,rank=R][,nth=N][,stage=S][,replica=R]")
+                 "[,rank=R][,nth=N][,stage=S][,replica=R][,timeout=SECONDS]")
     return fault
 
 
@@ -106,7 +116,10 @@ def install(fault: Fault) -> None:
 
     def step(self, images, labels):
         fault.begin(fault.step + 1)
-        return real_step(self, images, labels)
+        loss = real_step(self, images, labels)
+        if "timeout" in fault.fault:  # every rank is past its start-up: waits are short from here on
+            self.comm.timeout = fault.fault["timeout"]
+        return loss
 
     trainer.run, Engine.step = run, step
 
@@ -178,8 +191,33 @@ def install(fault: Fault) -> None:
     checkpoint.save, checkpoint._write_atomic = save, write_atomic
 
 
+def in_turn(runs: list[list[str]]) -> None:
+    """Run gems-train with each argument list of ``runs`` while they end with status 0; a job makes one
+    communicator (per backend), so each backend's is made once and kept for the later runs."""
+    made = {}
+    real_communicator = train.communicator
+
+    def communicator(prog, backend, *args):
+        if backend not in made:
+            made[backend] = real_communicator(prog, backend, *args)
+        return made[backend]
+
+    train.communicator = communicator
+    for argv in runs:
+        try:
+            train.main(argv)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+
+
 if __name__ == "__main__":
     spec = os.environ.get("GEMS_FAULT")
     if spec:
         install(Fault(parse(spec)))
-    train.main(sys.argv[1:])
+    if os.environ.get("GEMS_FAULT_THEN"):
+        if spec:  # the fault would strike the later runs too
+            sys.exit("fault_worker: GEMS_FAULT_THEN is for launches without GEMS_FAULT")
+        in_turn([sys.argv[1:], *json.loads(os.environ["GEMS_FAULT_THEN"])])
+    else:
+        train.main(sys.argv[1:])
