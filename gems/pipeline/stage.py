@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
 
 import torch
 from torch import nn
