@@ -267,9 +267,10 @@ class PolicyModel:
         chosen = StagePolicy(self._split([[lo + a, lo + b] for a, b in best_segments(start_cost, remat, terms)]),
                              offload)
         # The DP prices approximately; the exact prices decide. Natural segments and one segment
-        # for the whole stage never keep more than no policy, so neither does the choice.
+        # for the whole stage never keep more than no policy -- unless cut at a spatial part's
+        # edges (barriers), whose boundaries a segment keeps: then recomputing nothing is the choice.
         candidates = [p for p in (chosen, natural, StagePolicy(self._split([[lo, hi]]), offload))
-                      if self.memory(lo, hi, p).kept <= self.plain[lo, hi]]
+                      if self.memory(lo, hi, p).kept <= self.plain[lo, hi]] or [StagePolicy(offload=offload)]
         return min(candidates, key=lambda p: (self.peak(lo, hi, p, holders), len(p.recompute)))
 
     def _split(self, segments: list[list[int]]) -> list[list[int]]:

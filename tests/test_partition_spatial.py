@@ -117,6 +117,16 @@ def test_the_planner_finds_a_suffix_for_a_unet_and_none_for_a_classifier():
     assert given.spatial_start == 28 and given.spatial_end < 28
 
 
+def test_recompute_cut_at_the_spatial_edges_is_never_worse_than_none(capsys):
+    """Segments cut at a prefix's end and a suffix's start keep those boundaries, and may keep more
+    than no policy: the planner then recomputes nothing there (it raised ValueError: the zoo U-Net
+    at 256^2, mast, 16 tiles, recompute auto under a budget)."""
+    main(["--model", "unet", "--image-size", "256", "--batch-size", "2", "--stages", "2", "--schedule", "mast",
+          "--spatial", "16", "--num-classes", "2", "--recompute", "auto", "--memory-budget", "64MiB"])
+    out = capsys.readouterr().out
+    assert "spatial: stage 0's units" in out and ("fits" in out or "does not fit" in out)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(spatial_end=14, spatial_start=10, **BASE), "the spatial suffix cannot start at unit 10"),
     (dict(spatial_end=14, spatial_start=37, **BASE), "the spatial suffix cannot start at unit 37"),
