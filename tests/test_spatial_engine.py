@@ -159,14 +159,16 @@ def test_a_unet_with_a_tiled_suffix_under_mast(split):
                   split_points=["up.0.0"], recompute={1: [[22, 28], [28, 33]]}), 4, 36, net=_unet)
 
 
-def test_a_planned_unet_suffix_under_mast_equals_one_process():
-    """The planner's own choice of prefix, suffix, cuts and policies (recompute on every stage)."""
+@pytest.mark.parametrize("K, recompute", [(2, "all"), (4, "none")])
+def test_a_planned_unet_suffix_under_mast_equals_one_process(K, recompute):
+    """The planner's own choice of prefix, suffix, cuts and policies: K = 2 recomputing on every
+    stage; K = 4, where the middle positions are single ranks between the two tile groups."""
     torch.manual_seed(0)
     model = _unet()
-    plan = partition.plan(model, (3, 36, 36), 4, stages=2, schedule="mast", device="cpu", spatial=(2, 1),
-                          recompute="all")
-    assert 0 < plan.spatial_end <= plan.cuts[1] <= plan.spatial_start
-    _check(_train(36, 4, 2, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
+    plan = partition.plan(model, (3, 36, 36), 4, stages=K, schedule="mast", device="cpu", spatial=(2, 1),
+                          recompute=recompute)
+    assert 0 < plan.spatial_end <= plan.cuts[1] and plan.cuts[-2] <= plan.spatial_start
+    _check(_train(36, 4, K, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
 
 
 def test_recompute_segments_that_start_with_an_in_place_unit():
