@@ -49,11 +49,6 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                 raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
                                 f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
                                 "or make a new plan")
-        # the units the engine runs: the model traced as gems-plan traced it
-        names = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules).unit_names
-        if plan.unit_names != names:
-            raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
-                            f"{cfg.model} has {_names(names)}: make the plan for this model")
         if plan.tiles != cfg.tiles():
             raise GemsError(f"{cfg.plan} was made for tile groups of {plan.tiles} rank(s), not {cfg.tiles()}: pass "
                             f"--spatial {'x'.join(map(str, plan.spatial_grid)) or 1} or make a new plan")
@@ -61,6 +56,15 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
             raise GemsError(f"{cfg.plan} was made for inputs of {'x'.join(map(str, plan.input_shape))}, not "
                             f"3x{cfg.image_size}x{cfg.image_size}: pass the --image-size it was made for "
                             "or make a new plan")
+        leaves = plan.leaf_modules
+        if not (isinstance(leaves, list) and all(isinstance(name, str) for name in leaves)):
+            raise GemsError(f"{cfg.plan} names leaf modules {leaves!r}, not a list of module names: make a new plan")
+        # the units the engine runs: the model traced as gems-plan traced it, at this run's micro-batch
+        micro = max(1, cfg.batch_size // (groups * sch.replicas(cfg.schedule) * cfg.micro_batches))
+        names = graph_units(model, (3, cfg.image_size, cfg.image_size), micro, leaves).unit_names
+        if plan.unit_names != names:
+            raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
+                            f"{cfg.model} has {_names(names)}: make the plan for this model")
         return plan
     balance = None
     if cfg.balance:
