@@ -29,10 +29,10 @@ import socket
 
 import torch
 
-from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request
+from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request, all_of
 from gems.errors import GemsError
 
-__all__ = ["create", "world_rank", "Comm", "Group", "Request", "P2POp", "CommTimeout", "Backoff",
+__all__ = ["create", "world_rank", "Comm", "Group", "Request", "all_of", "P2POp", "CommTimeout", "Backoff",
            "TENSORS_PER_MESSAGE", "default_threads", "configure_threads"]
 
 BACKENDS = ("mpi", "torch")

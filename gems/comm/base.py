@@ -156,6 +156,11 @@ class Request:
         return f"Request({self.describe}, {'done' if self.done else 'pending'})"
 
 
+def all_of(requests: Sequence[Request], describe: str) -> Request:
+    """One Request, complete once every one of ``requests`` is (each polled every time: progress)."""
+    return Request(lambda: all([r.poll() for r in requests]), describe, requests)
+
+
 @dataclass(frozen=True, eq=False)
 class Group:
     """A sub-communicator: ``ranks`` in world numbering, in the order given to ``Comm.group``;
@@ -246,7 +251,7 @@ class Comm:
         member of ``group``, in place. Here one broadcast per run; a backend may do better."""
         runs = [self.ibroadcast(flat[lo:hi], group.ranks[k], group)
                 for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
-        return Request(lambda: all([r.poll() for r in runs]), f"allgather over ranks {group.ranks}", runs)
+        return all_of(runs, f"allgather over ranks {group.ranks}")
 
     def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
         """Start summing ``flat`` over ``group`` where only member k's run ``flat[bounds[k]:bounds[k + 1]]``

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import nn
 
-from gems.comm import Request
+from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.topology import Topology
@@ -212,7 +212,7 @@ class GradSync:
         # sharded: each member needs the sums of its own run of gradients only
         requests = [self.comm.ireduce_scatter_runs(grads, self._runs[key[0]][1], group)]
         requests += [self.comm.iallreduce(copy, group)] if buffers else []
-        return Request(lambda: all([r.poll() for r in requests]), requests[0].describe, requests)
+        return all_of(requests, requests[0].describe)
 
     def sync(self, loss: torch.Tensor) -> float:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same

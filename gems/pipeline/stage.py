@@ -147,22 +147,19 @@ class StageRunner:
         offload = self.offload is not None and waiting
         with self.offload.saving(key, inputs) if offload else contextlib.nullcontext():
             xs = inputs
-            for piece, recompute in self._pieces[waiting]:
+            for piece, recompute, run in self._pieces[waiting]:
                 if recompute:
-                    # a segment whose first unit writes its input in place runs on a copy: checkpoint keeps
-                    # the input itself to recompute from, and refuses one written after it kept it
-                    run = _run_on_copies if writes_inputs(_first_unit(piece)) else _run
                     xs = checkpoint(functools.partial(run, piece), *xs, use_reentrant=False,
                                     preserve_rng_state=True, context_fn=functools.partial(_contexts, piece))
                 else:
-                    xs = _run(piece, *xs)
+                    xs = run(piece, *xs)
         if offload:
             self.offload.keep_on_device(key, xs)
         return xs
 
     def recomputes(self, waiting: bool) -> bool:
         """Whether a forward (waiting or not) checkpoints any segment of this stage."""
-        return any(recompute for _, recompute in self._pieces[waiting])
+        return any(recompute for _, recompute, _ in self._pieces[waiting])
 
     def prefetch(self, key: Key) -> None:
         """Start bringing back what the forward of ``key`` offloaded (the executor calls it as
@@ -171,20 +168,22 @@ class StageRunner:
             self.offload.prefetch(key)
 
 
-def _pieces(module: nn.Sequential, first_unit: int,
-            segments: list[list[int]]) -> list[tuple[nn.Sequential, bool]]:
-    """The stage as consecutive runs of units, each with whether it runs under checkpoint."""
+def _pieces(module: nn.Sequential, first_unit: int, segments: list[list[int]]) -> list[tuple]:
+    """The stage as consecutive runs of units, each with whether it runs under checkpoint and how it
+    runs: a checkpointed segment whose first unit writes its input in place runs on a copy of it
+    (checkpoint keeps the input itself to recompute from, and refuses one written after it kept it)."""
     if not segments:
-        return [(module, False)]   # the stage module itself, its own hooks included
+        return [(module, False, _run)]   # the stage module itself, its own hooks included
     pieces, at = [], 0
     for first, end in segments:
         lo, hi = first - first_unit, end - first_unit
         if at < lo:
-            pieces.append((module[at:lo], False))
-        pieces.append((module[lo:hi], True))
+            pieces.append((module[at:lo], False, _run))
+        piece = module[lo:hi]
+        pieces.append((piece, True, _run_on_copies if writes_inputs(_first_unit(piece)) else _run))
         at = hi
     if at < len(module):
-        pieces.append((module[at:], False))
+        pieces.append((module[at:], False, _run))
     return pieces
 
 

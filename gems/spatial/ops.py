@@ -228,23 +228,13 @@ def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
 class _BatchNorm(torch.autograd.Function):
     """BatchNorm over a tile group, keeping only its input for backward as PyTorch's does.
 
-    Forward: each tile's mean and variance in one fused pass (``torch.batch_norm_update_stats``), combined over
-    the tiles in float64 from their sums (Σx, Σx² rebuilt as count x (var + mean²): exact enough
-    in float64 whatever the mean), then PyTorch's fused normalisation with those statistics.
-    Backward: PyTorch's eval-mode backward gives this tile's Σdy and Σdy·x̂ (the weight's and
-    bias's gradients, summed over the tiles later by the gradient sync); added over the tiles,
-    they make dx = A·dy + B·x + C per channel, two fused passes."""
+    Forward: statistics over every tile (``_tile_stats``), then PyTorch's fused normalisation with
+    them. Backward: ``_tile_input_grad``; this tile's Σdy and Σdy·x̂ are the weight's and bias's
+    gradients, summed over the tiles later by the gradient sync."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tiles: TileGroup, n: int, eps: float):
-        # the fused statistics pass PyTorch's own training-mode BatchNorm uses: mean and biased
-        # variance, ~5x faster than torch.var_mean over (0, 2, 3) on CPU
-        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        count = x.numel() // x.shape[1]
-        sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
-        sums = allreduce(sums, tiles) / n
-        mean64, var64 = sums[0], (sums[1] - sums[0].square()).clamp_min(0)
-        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        mean, var = _tile_stats(x, tiles, n)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.tiles, ctx.n, ctx.eps = tiles, n, eps
         ctx.mark_non_differentiable(mean, var)
@@ -253,19 +243,37 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _mean, _var):
         x, weight, mean, var = ctx.saved_tensors
-        ones = torch.ones_like(mean) if weight is None else weight
-        _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, None, None,
-                                                              False, ctx.eps, [False, True, True])
-        # eval-mode backward with (mean, var) as running statistics: dw = Σ dy·x̂, db = Σ dy on this tile
-        total = allreduce(torch.stack([db, dw]), ctx.tiles) / ctx.n
-        invstd = torch.rsqrt(var + ctx.eps)
-        a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))
-        b = -a * invstd * total[1]              # coefficient of x
-        c = -a * total[0] - b * mean            # the rest
-        view = (1, -1, 1, 1)
-        gx = torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view))
+        gx, dw, db = _tile_input_grad(grad, x, weight, mean, var, ctx.tiles, ctx.n, ctx.eps)
         return gx, (dw if ctx.needs_input_grad[1] else None), (db if ctx.needs_input_grad[2] else None), \
             None, None, None
+
+
+def _tile_stats(x: torch.Tensor, tiles: TileGroup, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per channel (dim 1) of ``x`` over every tile (``n`` elements in all):
+    each tile's from the fused pass PyTorch's own training-mode BatchNorm uses (~5x faster than
+    torch.var_mean on CPU), combined in float64 from their sums (Σx, Σx² rebuilt as count x
+    (var + mean²): exact enough in float64 whatever the mean)."""
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    count = x.numel() // x.shape[1]
+    sums = allreduce(torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count]), tiles) / n
+    return sums[0].to(x.dtype), (sums[1] - sums[0].square()).clamp_min(0).to(x.dtype)
+
+
+def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                     var: torch.Tensor, tiles: TileGroup, n: int, eps: float):
+    """(dx, Σ dy·x̂, Σ dy) of a normalisation per channel (dim 1) with statistics over every tile:
+    PyTorch's eval-mode backward gives this tile's sums, added over the tiles they make
+    dx = a·dy + b·x + c per channel, two fused passes."""
+    ones = torch.ones_like(mean) if weight is None else weight
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, None, None,
+                                                          False, eps, [False, True, True])
+    total = allreduce(torch.stack([db, dw]), tiles) / n   # mean(dy), mean(dy·x̂) per channel
+    invstd = torch.rsqrt(var + eps)
+    a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))
+    b = -a * invstd * total[1]              # coefficient of x
+    c = -a * total[0] - b * mean            # the rest
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    return torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view)), dw, db
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
@@ -287,11 +295,7 @@ class _GroupNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tiles: TileGroup, groups: int, n: int, eps: float):
         N, C = x.shape[:2]
         view = x.reshape(1, N * groups, -1)
-        mean, var = torch.batch_norm_update_stats(view, None, None, 0.0)
-        count = view.shape[2]
-        sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
-        sums = allreduce(sums, tiles) / n
-        mean, var = sums[0].to(x.dtype), (sums[1] - sums[0].square()).clamp_min(0).to(x.dtype)
+        mean, var = _tile_stats(view, tiles, n)
         y = F.batch_norm(view, mean, var, None, None, False, 0.0, eps).reshape(x.shape)
         if weight is not None:
             y = torch.addcmul(bias.view(1, C, 1, 1), y, weight.view(1, C, 1, 1)) if bias is not None \
@@ -307,16 +311,8 @@ class _GroupNorm(torch.autograd.Function):
         x, weight, mean, var = ctx.saved_tensors
         N, C = x.shape[:2]
         view = x.reshape(1, N * ctx.groups, -1)
-        dxhat = (grad * weight.view(1, C, 1, 1) if weight is not None else grad).reshape(view.shape).contiguous()
-        ones = torch.ones_like(mean)
-        _, dw, db = torch.ops.aten.native_batch_norm_backward(dxhat, view, ones, mean, var, None, None, False,
-                                                              ctx.eps, [False, True, True])
-        total = allreduce(torch.stack([db, dw]), ctx.tiles) / ctx.n   # mean(dx̂), mean(dx̂·x̂) per group
-        a = torch.rsqrt(var + ctx.eps)
-        b = -a * a * total[1]
-        c = -a * total[0] - b * mean
-        shape = (1, -1, 1)
-        gx = torch.addcmul(torch.addcmul(c.view(shape), view, b.view(shape)), dxhat, a.view(shape)).reshape(x.shape)
+        dxhat = (grad * weight.view(1, C, 1, 1) if weight is not None else grad).reshape(view.shape)
+        gx = _tile_input_grad(dxhat, view, None, mean, var, ctx.tiles, ctx.n, ctx.eps)[0].reshape(x.shape)
         gw = gb = None
         if weight is not None and ctx.needs_input_grad[1]:
             xhat = F.batch_norm(view, mean, var, None, None, False, 0.0, ctx.eps).reshape(x.shape)
