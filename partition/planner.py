@@ -89,9 +89,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     ``spatial``: a tile count P (the grid with the least halo traffic), a grid (rows, cols) or
     "RxC", or "auto" (P = 2, 4, 8, 16 in turn, only when no plan without tiles fits
     ``memory_budget``); the tiled prefix of stage 0 ends at ``spatial_end`` (units [0, end)) or
-    where the plan is best (module docstring); with one stage or mast, a suffix of the last stage
-    (units [spatial_start, n), for models at full resolution at their end) is tiled too where
-    the plan is best with one (``spatial_start`` None), from that unit, or never (0).
+    where the plan is best (module docstring); a suffix of the last stage (units [spatial_start, n),
+    for models at full resolution at their end) is tiled too from that unit, never (0), or with
+    one stage or mast where the plan is best with one (``spatial_start`` None; a one-replica
+    pipeline of K >= 2 only from a given start: its last position becomes a tile group too).
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -126,11 +127,12 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     if spatial_end is not None and (request is None or isinstance(spatial_end, bool) or not isinstance(spatial_end, int)
                                     or spatial_end < 1):
         raise GemsError(f"the spatial part's end must be a positive unit count with --spatial, got {spatial_end!r}")
-    suffixes = request is not None and (K == 1 or schedule == "mast")   # where the last stage is on the tile groups
-    if spatial_start and (not suffixes or isinstance(spatial_start, bool) or not isinstance(spatial_start, int)
+    # suffixes searched where the tile groups of stage 0 hold the last stage too (no extra ranks); a
+    # one-replica pipeline of K >= 2 tiles one only from a given start (its last position becomes a tile group)
+    suffixes = request is not None and (K == 1 or schedule == "mast" or bool(spatial_start))
+    if spatial_start and (request is None or isinstance(spatial_start, bool) or not isinstance(spatial_start, int)
                           or spatial_start < 1):
-        raise GemsError(f"a spatial suffix needs --spatial, one stage or --schedule mast, and a positive start unit, "
-                        f"got {spatial_start!r}")
+        raise GemsError(f"a spatial suffix needs --spatial and a positive start unit, got {spatial_start!r}")
     budget = None if memory_budget is None else parse_size(memory_budget)
     if budget is not None and budget <= 0:
         raise GemsError("the memory budget must be positive, e.g. 40GiB")

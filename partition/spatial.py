@@ -1,8 +1,9 @@
 """Pricing a spatial part (``gems.spatial``): units [0, end) of stage 0 on a tile group of P = rows x
 cols ranks at every position holding stage 0, the boundary at ``end`` gathered on the group's
 leader, which runs the rest of the stage and its position's other stages. With a suffix
-(``start``; K = 1 or mast, where those tile groups hold the last stage too) units [start, n) are
-tiled as well, their inputs scattered from the leader and the model's output gathered on it.
+(``start``) units [start, n) are tiled as well, their inputs scattered from the leader of a tile group
+holding the last stage (K = 1 or mast: stage 0's; a one-replica pipeline's last position otherwise)
+and the model's output gathered on it.
 
 The planner prices the leader, the most loaded rank of the group (the other members hold stage
 0's parameters and their tiles only), by rewriting the profile (``tiled_profile``) and pricing it

@@ -117,6 +117,17 @@ def test_the_planner_finds_a_suffix_for_a_unet_and_none_for_a_classifier():
     assert given.spatial_start == 28 and given.spatial_end < 28
 
 
+def test_a_one_replica_pipeline_tiles_a_suffix_only_from_a_given_start():
+    """1f1b with K = 2: no suffix searched (it would make the last position a tile group: more
+    ranks); from a given start the last position is one, and the table counts its ranks."""
+    one = dict(spatial_end=14, batch_size=2, stages=2, schedule="1f1b", micro_batches=2)
+    assert plan(_unet(), (3, 64, 64), spatial=2, **one).spatial_start == 0
+    given = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **one)
+    assert given.spatial_start == 28 and given.tiled_stages == (0, 1)
+    assert "at position(s) 0,1" in given.table() and "world 4 ranks = 1 group(s) x (2 + 1 x 2)" in given.table()
+    given.check()
+
+
 def test_recompute_cut_at_the_spatial_edges_is_never_worse_than_none(capsys):
     """Segments cut at a prefix's end and a suffix's start keep those boundaries, and may keep more
     than no policy: the planner then recomputes nothing there (it raised ValueError: the zoo U-Net
@@ -130,8 +141,7 @@ def test_recompute_cut_at_the_spatial_edges_is_never_worse_than_none(capsys):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(spatial_end=14, spatial_start=10, **BASE), "the spatial suffix cannot start at unit 10"),
     (dict(spatial_end=14, spatial_start=37, **BASE), "the spatial suffix cannot start at unit 37"),
-    (dict(spatial_end=14, spatial_start=28, batch_size=2, stages=2, schedule="1f1b", micro_batches=2),
-     "a spatial suffix needs --spatial, one stage or --schedule mast"),
+    (dict(spatial_end=14, spatial_start=-1, **BASE), "a spatial suffix needs --spatial and a positive start unit"),
 ])
 def test_a_suffix_that_cannot_be_names_the_fix(kwargs, message):
     with pytest.raises(GemsError, match=message):

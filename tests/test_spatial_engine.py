@@ -5,7 +5,8 @@ blocks, and the zoo's U-Net (long skips, bilinear upsampling, concatenation; per
 at sides that are not powers of two, 3 SGD steps; the model's state after them must equal one
 process training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
 and 4, strips and a 2x2 grid), spatial + gpipe and 1f1b (P = 2, K = 2, m = 2: 3 ranks), spatial +
-mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the tiled stage 0 gathered on the leaders),
+mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the tiled stage 0 gathered on the leaders), a
+U-Net's tiled suffix under K = 1, mast and one-replica pipelines (its own tile group at position K-1),
 spatial with data parallelism, and a prefix tiled with the rest of stage 0 on the leader.
 """
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups:
            made=None):
     model, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
                                 recompute)
-    world = ranks_per_group(K, schedule, plan.tiles) * groups
+    world = ranks_per_group(K, schedule, plan.tiles, bool(plan.spatial_start)) * groups
     micro = plan.micro_batch_size
     copies = []
     for _ in range(world):   # traced here, in the main thread (fx patches nn.Module while tracing)
@@ -183,9 +184,15 @@ def test_recompute_segments_that_start_with_an_in_place_unit():
     _check(_train(36, 4, 2, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
 
 
-def test_a_suffix_needs_the_tile_groups_of_stage_0():
-    with pytest.raises(gems.GemsError, match="a spatial suffix runs the last stage on the tile groups"):
-        _plan(36, 4, 2, "1f1b", (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet, m=2, split_points=["up.0.0"])
+@pytest.mark.parametrize("K, schedule, split", [(2, "1f1b", True), (3, "gpipe", False)])
+def test_a_unet_with_a_tiled_suffix_under_one_replica_pipelines(K, schedule, split):
+    """Position K-1 a tile group of its own (P = 2: 4 ranks), two micro-batches; with split backward
+    the suffix's members walk their tiles' backward in the input half, with their leader (they left
+    it to the weight half, and the leader's halos met a member's next scatter); K = 3: a single-rank
+    middle position."""
+    points = ["up.0.0"] if K == 2 else ["down.2", "up.0.0"]
+    _check(_train(36, 4, K, schedule, (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet, m=2, split=split,
+                  split_points=points), 4, 36, net=_unet)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,29 @@ def test_a_non_finite_loss_is_never_applied():
         assert engine.last_step_applied
 
     loopback.run(1, body)   # one rank, in this process
+
+
+def test_a_plan_with_a_suffix_under_a_one_replica_pipeline_sets_the_world(tmp_path, monkeypatch):
+    """A gems-plan plan tiling the U-Net's decoder under 1f1b, K = 2, P = 2: gems-train reads it
+    before laying out the ranks, so position 1 is a tile group too (4 ranks, whose members hold the
+    last stage); 3 ranks get the fix. Under mast the planner's own suffix leaves the ranks as they
+    are, its members holding the last stage as well (what --resume loads for them)."""
+    from gems.train import trainer  # noqa: PLC0415
+    from gems.cli.train import parse as parse_train  # noqa: PLC0415
+    import gems  # noqa: PLC0415
+    unet = ["--model", "unet", "--model-arg", "width=4", "--model-arg", "depth=3", "--model-arg", "groups=2",
+            "--num-classes", "3", "--image-size", "36", "--spatial", "2"]
+    one = ["--batch-size", "4", "--stages", "2", "--schedule", "1f1b", "--micro-batches", "2"]
+    plan = tmp_path / "plan.json"
+    assert exit_status(gems_plan.main, [*unet, *one, "--spatial-start", "28", "--json", plan]) == 0
+
+    def prepare(size: int, *args):
+        comm = types.SimpleNamespace(size=size, rank=size - 1, device=torch.device("cpu"))
+        return trainer.prepare(parse_train([*unet, "--task", "segmentation", "--workers", "0", *args]), comm)
+
+    job = prepare(4, *one, "--plan", str(plan))
+    assert job.topo.tiled == [0, 1] and job.topo.place(3) == (0, 1, 1) and job.topo.stages_of(3) == [1]
+    with pytest.raises(gems.GemsError, match="3 ranks cannot form groups of 4 ranks"):
+        prepare(3, *one, "--plan", str(plan))
+    mast = prepare(4, "--batch-size", "2", "--stages", "2", "--schedule", "mast")
+    assert mast.plan.spatial_start and mast.topo.stages_of(3) == [0, 1]

@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spatial-end", type=checked(positive), metavar="UNITS",
                    help="the spatial part is units [0, UNITS) (default: where the plan is best)")
     p.add_argument("--spatial-start", type=checked(whole), metavar="UNIT",
-                   help="with one stage or --schedule mast, also tile the last stage's units from UNIT on (a "
-                        "U-Net's full-resolution decoder); 0: no such suffix (default: where the plan is best)")
+                   help="also tile the last stage's units from UNIT on (a U-Net's full-resolution decoder); under "
+                        "gpipe, 1f1b or mp with 2+ stages the last position becomes a tile group too (P - 1 more "
+                        "ranks); 0: no such suffix (default: with one stage or mast where the plan is best, else none)")
     p.add_argument("--recompute", default="none", choices=MODES,
                    help="recompute activations in backward instead of keeping them: on every stage (all), "
                         "or only where --memory-budget needs it (auto)")

@@ -194,9 +194,10 @@ def estimate_error(measured: int, estimated: int) -> str:
 
 def place(position: int, tile: int) -> str:
     """Where a rank's measured memory sits, for reports: "position r", or for a tile group's member
-    "position r, tile t; the leader's estimate" (the plan prices a position by its leader, which
-    holds the most: the gathered boundary and the untiled rest of stage 0)."""
-    return f"position {position}" + (f", tile {tile}; the leader's estimate" if tile else "")
+    "position r, tile t; the leader's estimate, a bound" (the plan prices a position by its leader,
+    which holds the most: the gathered boundaries and its stages' untiled units, which a member
+    lacks -- under a one-replica pipeline a suffix's member holds only the suffix)."""
+    return f"position {position}" + (f", tile {tile}; the leader's estimate, a bound" if tile else "")
 
 
 def kind(device: torch.device) -> str:

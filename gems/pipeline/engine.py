@@ -102,7 +102,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
         self.K, self.m = plan.stages, plan.micro_batches
-        self.topology = Topology(comm.size, plan.stages, plan.schedule, plan.tiles, bool(plan.spatial_start))
+        self.topology = Topology.of(plan, comm.size)
         self.group, self.position, self.tile = self.topology.place(comm.rank)   # tile > 0: a tile group's member
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
         lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)

@@ -54,7 +54,7 @@ class Executor:
         self.current: ir.Action | None = None   # the action running (for error reports)
         self.loss = torch.zeros(1, dtype=torch.float64, device=device)
         self.applied, self.global_loss = True, 0.0
-        self._stash: dict[Key, tuple] = {}          # forward's (received per edge, outputs) until its backward
+        self._stash: dict[Key, tuple] = {}          # forward's (received per edge, outputs, leaves) until its backward
         self._input_grads: dict[tuple, tuple] = {}  # backward's input gradients (key, edge) until their send
         self._inbox: dict[tuple, dict] = {}         # (op, key) -> {edge: tensors} received, not yet consumed
         self._images: torch.Tensor | None = None
@@ -97,16 +97,19 @@ class Executor:
         rows = self.batches.rows(a.replica, a.micro)
         key = _key(a)
         received: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        leaves: tuple[torch.Tensor, ...] = ()   # what an input half stops at
         if a.stage == 0:
             inputs = (self.cut(self._images[rows]).to(self.device, non_blocking=True),)
         elif self.member:   # a suffix's inputs come from the leader's scatter; this scalar ties its graph
-            inputs = (torch.zeros((), device=self.device, requires_grad=True),)
+            # (the input half stops at it, so a member walks its tiles' backward when its leader does)
+            inputs = leaves = (torch.zeros((), device=self.device, requires_grad=True),)
         else:
             received = self._inbox.pop((ir.RECV_ACT, key))
             for edge, tensors in received.items():
                 for t, grad in zip(tensors, self.routes.edges[edge].grads):
                     t.requires_grad_(grad)
             inputs = self.routes.assemble(a.stage, received, self.device)
+            leaves = tuple(t for tensors in received.values() for t in tensors)
         runner = self.runners[a.stage]
         # A received tensor is a leaf; a unit that writes one in place (ReLU(inplace=True) first
         # thing in a stage) gets a copy, through which the gradient still reaches the leaf.
@@ -121,7 +124,7 @@ class Executor:
             loss = scaled(terms, self.inverse)
             self.loss += loss.detach()
             out = (loss,)
-        self._stash[key] = (received, out)
+        self._stash[key] = (received, out, leaves)
 
     def _seeds(self, a: ir.Action, out: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The tensors a backward starts from and their gradients (None: the scalar loss)."""
@@ -132,7 +135,7 @@ class Executor:
 
     def _backward(self, a: ir.Action) -> None:
         key = _key(a)
-        received, out = self._stash.pop(key)
+        received, out, _ = self._stash.pop(key)
         outputs, grads = self._seeds(a, out)
         if outputs:
             torch.autograd.backward(outputs, grads)
@@ -147,10 +150,9 @@ class Executor:
             # finds nothing left to do
             self._backward(a)
             return
-        received, out = self._stash.pop(key)
+        received, out, leaves = self._stash.pop(key)
         outputs, grads = self._seeds(a, out)
-        leaves = [t for tensors in received.values() for t in tensors]
-        self._pending[key] = input_half(outputs, grads, leaves, runner.params)
+        self._pending[key] = input_half(outputs, grads, list(leaves), runner.params)
         self._keep_input_grads(key, received)
 
     def _backward_weight(self, a: ir.Action) -> None:

@@ -60,6 +60,12 @@ class Topology:
             raise GemsError(f"{W} ranks cannot form pipelines of {K} stages: launch a multiple of "
                             f"{K} ranks (world = stages x groups) or choose --stages dividing {W}")
 
+    @classmethod
+    def of(cls, plan, world: int) -> Topology:
+        """The layout ``world`` ranks take to run ``plan`` (a ``gems.plan.Plan``): its stages,
+        schedule, tile groups and whether a suffix is tiled."""
+        return cls(world, plan.stages, plan.schedule, plan.tiles, bool(plan.spatial_start))
+
     @property
     def tiled(self) -> list[int]:
         """Positions that are tile groups (``tiled_positions``)."""

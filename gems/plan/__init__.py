@@ -178,10 +178,11 @@ class Plan:
     # Spatial part (gems.spatial): units [0, spatial_end) of stage 0 run on a tile group of
     # rows x cols ranks at every position holding stage 0, each rank one tile of every activation;
     # the boundary at spatial_end is gathered on the group's first rank, which runs the rest. Empty:
-    # no spatial part. World = groups x (stages + (tiles - 1) x positions holding stage 0).
+    # no spatial part. World = groups x (stages + (tiles - 1) x tile groups).
     # A suffix (spatial_start > 0, for models at full resolution again at their end: U-Nets): units
     # [spatial_start, end of the model) of the last stage on tile groups too, every position holding
-    # the last stage then one of them; its inputs scattered from the leader, its outputs gathered.
+    # the last stage then one of them (under mp/gpipe/1f1b with K >= 2: position K-1, P - 1 more
+    # ranks); its inputs scattered from the leader, its outputs gathered.
     spatial_grid: list[int] = field(default_factory=list)
     spatial_end: int = 0
     spatial_start: int = 0
@@ -319,10 +320,6 @@ class Plan:
             raise GemsError(f"the plan's spatial suffix starts at unit {self.spatial_start}, which is not inside the last "
                             f"stage (units {self.cuts[-2]}..{self.cuts[-1] - 1}) after the spatial prefix (ending at "
                             f"{self.spatial_end}): fix the plan or regenerate it with gems-plan --spatial")
-        if self.spatial_start and self.stages > 1 and self.schedule != "mast":
-            raise GemsError(f"a spatial suffix runs the last stage on the tile groups that hold stage 0, which "
-                            f"{self.schedule} with {self.stages} stages does not have: use one stage or --schedule mast, "
-                            "or a plan without a suffix")
         for s, policy in enumerate(self.policies):
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
             for seg in policy.recompute:

@@ -73,11 +73,11 @@ def table(plan) -> str:
 
 def _spatial(plan) -> list[str]:
     """The spatial part: its units, grid and the ranks it takes (world = groups x (K + (P - 1) x
-    positions holding stage 0))."""
+    tile groups: the positions holding a stage with tiled units))."""
     if not plan.spatial_grid:
         return []
     rows, cols = plan.spatial_grid
-    holders = [p.position for p in plan.positions if 0 in p.stages]
+    holders = [p.position for p in plan.positions if set(p.stages) & set(plan.tiled_stages)]
     world = plan.groups * (plan.stages + (plan.tiles - 1) * len(holders))
     names = plan.unit_names[:plan.spatial_end]
     n = len(plan.unit_names)

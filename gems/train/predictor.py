@@ -129,6 +129,7 @@ def prepare(cfg, comm) -> PredictJob:
                           schedule=cfg.schedule, micro_batches=cfg.micro_batches, groups=topo.groups,
                           model_name=meta["model"], device=comm.device.type, comm=cfg.comm,
                           leaf_modules=tuple(meta.get("leaf_module", ())), spatial=cfg.spatial)
+    topo = Topology.of(plan, comm.size)   # a tiled suffix: members hold the last stage too
     held = topo.stages_of(comm.rank)
     units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
     _, state, _, _ = checkpoint.load_stages(path, units)

@@ -39,9 +39,12 @@ if TYPE_CHECKING:
 PREEMPTED = 3
 
 
-def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu"):
+def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu",
+              loaded: partition.Plan | None = None):
+    """The plan to train: ``loaded`` (``--plan``, read already) once checked against ``cfg`` and the
+    model, else the planner's."""
     if cfg.plan:
-        plan = partition.Plan.from_json(cfg.plan)
+        plan = loaded or partition.Plan.from_json(cfg.plan)
         wanted = {"stages": cfg.stages, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
                   "batch_size": cfg.batch_size}
         for key, value in wanted.items():
@@ -203,7 +206,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     a user error surfaces on every rank before any rank waits on another. Returns None
     for ``--dry-run``."""
     cfg.validate()
-    topo = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles())
+    # --plan read first: a tiled suffix under a one-replica pipeline makes its last position a tile group
+    loaded = partition.Plan.from_json(cfg.plan) if cfg.plan else None
+    topo = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles(), bool(loaded and loaded.spatial_start))
     check_split(cfg, topo)
     check_validation_split(cfg, topo)
     group, position, tile = topo.place(comm.rank)
@@ -223,7 +228,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     model = models.build(cfg.model, num_classes=output_channels(cfg, data.num_classes), **model_kwargs(cfg.model_arg))
     if cfg.init_from:   # every rank reads the same file, so all start from the same weights
         models.load_initial_state(model, cfg.init_from, cfg.init_exclude)
-    plan = make_plan(cfg, model, topo.groups, comm.device.type)
+    plan = make_plan(cfg, model, topo.groups, comm.device.type, loaded)
+    # the planner may tile a suffix (one stage or mast: the same ranks, whose members then hold the last stage)
+    topo = Topology.of(plan, comm.size)
     check_task(cfg.task, plan.stage_output_shapes[-1][0], cfg.model)
     if plan.fits is False:
         worst = max(plan.positions, key=lambda p: p.peak_bytes)
@@ -263,9 +270,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                 raise GemsError(f"{resume_from} holds {meta.get('model')} for {meta.get('task', 'classification')} "
                                 f"with {meta.get('num_classes')} classes, not {cfg.model} for {cfg.task} with "
                                 f"{data.num_classes}: use another --checkpoint-dir or drop --resume")
-            # the stages this rank's engine holds: with a spatial suffix a member holds the last one too
-            mine = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles(), bool(plan.spatial_start)).stages_of(
-                comm.rank)
+            mine = topo.stages_of(comm.rank)   # with a spatial suffix a member holds the last stage too
             units = range(min(plan.cuts[s] for s in mine), max(plan.cuts[s + 1] for s in mine))
             resume_state = checkpoint.load_stages(resume_from, units)
     return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state, loss, validation)
