@@ -56,6 +56,7 @@ from torch import nn
 
 from gems import models, partition
 from gems.errors import GemsError
+from gems.partition.backward import split_mode
 from gems.obs import memory, trace
 from gems.obs.network import measure_network
 from gems.pipeline import schedule as sch
@@ -63,7 +64,8 @@ from gems.pipeline import simulate
 from gems.pipeline.loss import SumLoss, batch_mean
 from gems.pipeline.tiled import check_spatial
 from gems.pipeline.topology import ranks_per_group
-from gems.train.config import MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, model_kwargs, opt, tile_count
+from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, model_kwargs, opt,
+                               tile_count)
 from gems.train.losses import make_loss
 
 
@@ -80,7 +82,8 @@ class BenchConfig:
                                           "default: micro-batches of one image")
     stages: int | None = opt(None, "K, stages per pipeline (default: all ranks, one group; with --spatial: 1)")
     spatial: str | None = opt(None, SPATIAL_HELP)
-    split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions")
+    split_backward: str = opt("off", SPLIT_HELP + "; auto chooses per schedule", choices=SPLIT_CHOICES, const="on",
+                              negative="off")
     shard_optimizer: bool = opt(False, "share the optimizer step and state across each sync group")
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
     num_classes: int = opt(10, "classes the model outputs (per image, or per pixel for a segmentation model)")
@@ -117,6 +120,7 @@ class BenchConfig:
 
     def validate(self, world: int) -> None:
         self.schedule_list()
+        split_mode(self.split_backward)
         P = self.tiles()
         check_spatial(P, self.shard_optimizer, "micro-batch")   # what the engine refuses, before it starts
         model_kwargs(self.model_arg)
@@ -228,6 +232,7 @@ class ScheduleResult:
     cuts: list[int]
     spatial_grid: list[int]           # rows, cols of the tile grid; empty without a spatial part
     spatial_end: int                  # the spatial part is stage 0's units [0, spatial_end)
+    split_backward: bool              # the plan's (--split-backward auto: the planner's choice)
     placement: list[list[int]]        # per rank: group, position, tile (0: not a tile group's member)
     step_time: float                  # median seconds over measured steps (slowest rank)
     images_per_s: float
@@ -306,7 +311,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     forward = _stage_medians(leaders, sch.FORWARD, K)
     backward = _stage_medians(leaders, sch.BACKWARD, K)
     share = None
-    if cfg.split_backward:   # the halves' medians, and the input half's share of their sum
+    if plan.split_backward:   # the halves' medians, and the input half's share of their sum
         halves = _stage_medians(leaders, sch.BACKWARD_INPUT, K), _stage_medians(leaders, sch.BACKWARD_WEIGHT, K)
         backward = [i + w for i, w in zip(*halves)]
         share = [i / b if b > 0 else 0.5 for i, b in zip(halves[0], backward)]
@@ -316,11 +321,12 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
                            param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan),
                            input_share=share)
-    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer, cfg.split_backward).step_time
+    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer, plan.split_backward).step_time
     step = statistics.median(step_times)
     return ScheduleResult(
         schedule=name, groups=groups, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),
-        spatial_grid=list(plan.spatial_grid), spatial_end=plan.spatial_end, placement=placement,
+        spatial_grid=list(plan.spatial_grid), spatial_end=plan.spatial_end, split_backward=plan.split_backward,
+        placement=placement,
         step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
         peak_memory=[g[2] for g in gathered], plan_memory=[plan.positions[r.position].peak_bytes for r in ranks],
         stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted)

@@ -15,7 +15,8 @@ Modules, in the order of the flow (each imports only from its own step or earlie
   schedule, as matrices over segments);
 * solve: ``solver`` (exact min-max cuts, plain or mirrored), ``budget`` (the cheapest
   policies within a memory budget, the smallest stage count that fits);
-* assemble: ``planner`` (``plan()``: validation and building the Plan).
+* assemble: ``planner`` (``plan()``: validation and building the Plan), ``backward`` (with
+  ``split_backward`` None: the plan with the backward split or without, whichever is faster and fits).
 
 Besides: ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
 real CPU runs), ``calibrate`` (this device's sustained FLOP/s and host link, for

@@ -37,6 +37,7 @@ from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_pla
 from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from gems.spatial.limit import spatial_limit
+from .backward import choose, split_mode
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .forward import forward_bytes, send_copies
@@ -61,7 +62,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          host_bandwidth: float | str = HOST_BANDWIDTH, device_flops: float = V100_FLOPS,
          efficiency: float = EFFICIENCY, profiles: dict | None = None, amp: str = "none",
          comm: str | None = None, split_points: Sequence[str] | None = None,
-         leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool = False,
+         leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool | str | None = False,
          shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
          spatial_end: int | None = None, spatial_start: int | None = None) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
@@ -93,6 +94,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     for models at full resolution at their end) is tiled too from that unit, never (0), or with
     one stage or mast where the plan is best with one (``spatial_start`` None; a one-replica
     pipeline of K >= 2 only from a given start: its last position becomes a tile group too).
+    ``split_backward``: True ("on") splits each backward into input- and weight-gradient actions,
+    None ("auto") plans with and without and keeps the faster that fits (``gems.partition.backward``).
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -103,15 +106,16 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     groups = positive_int(groups, "the number of groups")
     batch_size = positive_int(batch_size, "the batch size")
     schedules.check(schedule, K, m)
+    split_backward = split_mode(split_backward)
     if balance_by not in BALANCE_BY:
         raise GemsError(f"cannot balance by {balance_by!r}: choose one of {', '.join(BALANCE_BY)}")
     if optimizer not in OPTIMIZER_STATE:
         raise GemsError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE)}")
     replicas = schedules.replicas(schedule)
-    split = groups * replicas * m
-    if batch_size % split:
+    parts = groups * replicas * m   # micro-batches of the whole job
+    if batch_size % parts:
         raise GemsError(f"batch size {batch_size} does not split into {groups} group(s) x {replicas} replica(s) x "
-                        f"{m} micro-batch(es): use a multiple of {split}")
+                        f"{m} micro-batch(es): use a multiple of {parts}")
     check_modes(recompute, offload)
     if device not in ("cuda", "cpu"):
         raise GemsError(f"the device to plan for must be 'cuda' or 'cpu', got {device!r}")
@@ -145,7 +149,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     torch_dtype = dtype_of(dtype)
     leaves = [c if isinstance(c, str) else c.__name__ for c in leaf_modules]
     if not isinstance(model, GraphUnits):   # any nn.Module: its chain of units (gems.graph)
-        model = graph_units(model, shape, batch_size // split, leaves, model_name=name)
+        model = graph_units(model, shape, batch_size // parts, leaves, model_name=name)
     n = len(model)
     if n == 0:
         raise GemsError(f"{name} has no units to run: give it at least one module")
@@ -159,10 +163,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     if unit_times is not None and (len(unit_times) != n or any(not t >= 0 for t in unit_times)):
         raise GemsError(f"unit_times must give one non-negative time per unit ({n} values)")
 
-    key = (batch_size // split, shape, torch_dtype, optimizer, amp)
+    key = (batch_size // parts, shape, torch_dtype, optimizer, amp)
     profiles = {} if profiles is None else profiles
     if key not in profiles:
-        profiles[key] = profile(model, shape, batch_size // split, torch_dtype, optimizer, name, AMP[amp])
+        profiles[key] = profile(model, shape, batch_size // parts, torch_dtype, optimizer, name, AMP[amp])
     prof = profiles[key]
     rate = float(device_flops * efficiency)
     sharers = groups * sum(0 in schedules.holds(schedule, K, p) for p in range(K)) if shard_optimizer else 1
@@ -176,9 +180,9 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.barriers if tiles else ())
         return _Job(p, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles)
 
-    def solved(job: _Job) -> Plan:
+    def solved(job: _Job, split: bool) -> Plan:
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
-        costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split_backward,
+        costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split,
                           job.tiling.end if job.tiling else 0, job.tiling.start if job.tiling else 0)
         found, loads = _cut(costs, balance_by, cuts)
         made = job.assemble(costs, found, loads, balance_by, _uniform(job.policies, costs, found, allowed[0]))
@@ -187,23 +191,29 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         return made
 
     plain = job(None)
-    result = solved(plain) if request in (None, "auto") else None
-    why = ""   # what --spatial auto could not do, for the error when nothing fits
-    if request is not None and (result is None or (budget is not None and not result.fits)):
-        reach = spatial_limit(list(model), [u.name for u in prof.units], (batch_size // split, *shape))
-        why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
-               f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
-        tail = Suffixes(list(model), [u.name for u in prof.units], (batch_size // split, *shape), K, spatial_start,
-                        prof) if suffixes and spatial_start != 0 else None
-        tiled = search(lambda tiles: solved(job(tiles)), reach, request, spatial_end, prof, K, cuts, tail)
-        if tiled is not None and result is not None:
-            tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
-                               f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
-        result = tiled or result
+
+    def planned(split: bool) -> tuple[Plan, str]:
+        """The plan with the backward split or not, and what --spatial auto could not do."""
+        result = solved(plain, split) if request in (None, "auto") else None
+        why = ""   # for the error when nothing fits
+        if request is not None and (result is None or (budget is not None and not result.fits)):
+            reach = spatial_limit(list(model), [u.name for u in prof.units], (batch_size // parts, *shape))
+            why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
+                   f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
+            tail = Suffixes(list(model), [u.name for u in prof.units], (batch_size // parts, *shape), K,
+                            spatial_start, prof) if suffixes and spatial_start != 0 else None
+            tiled = search(lambda tiles: solved(job(tiles), split), reach, request, spatial_end, prof, K, cuts, tail)
+            if tiled is not None and result is not None:
+                tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
+                                   f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
+            result = tiled or result
+        return result, why
+
+    result, why = choose(planned) if split_backward is None else planned(split_backward)
     if budget is not None and not result.fits and not result.spatial_grid:
         try:
             result.smallest_fitting_stages = smallest_fitting(plain.prof, schedule, K, m, plain.room, name,
-                                                              plain.policies, allowed[-1], split_backward)
+                                                              plain.policies, allowed[-1], result.split_backward)
         except GemsError as error:
             raise GemsError(f"{str(error).rstrip('.')}{why}") from None
     if device == "cpu" and any(p.offload for p in result.policies):

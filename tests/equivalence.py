@@ -90,7 +90,7 @@ _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partiti
 
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
-              batch: int | None = None, split: bool = False, shard: bool = False) -> partition.Plan:
+              batch: int | None = None, split: bool | None = False, shard: bool = False) -> partition.Plan:
     """The plan of ``build(kind)`` for this layout, every stage under ``policy``. Profiles with
     fake tensors (each micro-batch size once per kind): call it in the main thread."""
     batch = batch_size(schedule, m, D) if batch is None else batch
@@ -267,7 +267,7 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
 
 
 def per_rank(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE,
-             policy: str = "none", split: bool = False,
+             policy: str = "none", split: bool | None = False,
              shard: bool = False) -> tuple[list[nn.Sequential], list[partition.Plan]]:
     """For each of the K x D loopback ranks, its own copy of ``build(kind)`` and of the plan,
     made here in the calling (main) thread: rank r trains ``copies[r]`` under ``plans[r]``."""
@@ -281,7 +281,7 @@ def _rank(comm, models_: list[nn.Sequential], plans: list, steps, side: int, cli
 
 def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | tuple[int, ...] = 3,
                  rtol: float = 1e-5, clip: float | None = None, side: int = SIDE, policy: str = "none",
-                 semantics: str = "mpi", timeout: float = 20.0, split: bool = False,
+                 semantics: str = "mpi", timeout: float = 20.0, split: bool | None = False,
                  shard: bool = False) -> list[Result]:
     """Train on K x D loopback ranks (threads) and check, as ``run`` does: the recompute rule on
     every rank; every copy identical ("batchnorm"), else the reference's state and losses
@@ -289,7 +289,8 @@ def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | 
     Mismatch, or what a rank raised (loopback.Deadlock when the ranks cannot progress)."""
     copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard)
     results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, semantics=semantics, timeout=timeout)
-    where = describe(kind, schedule, K, D, m, clip, policy) + f" ({semantics}{', split backward' if split else ''})"
+    chosen = "auto, " * (split is None) + ("split backward" if plans[0].split_backward else "not split")
+    where = describe(kind, schedule, K, D, m, clip, policy) + f" ({semantics}, {chosen})"
     for r in results:
         check_calls(where, r)
         if r.losses != results[0].losses:

@@ -1,7 +1,7 @@
 """gems-bench: per-schedule micro-batch choice, input checks, targets and loss from the model's
 output (labels or per-pixel masks), a 2-rank run on a tiny model that prints every schedule and
 writes well-formed JSON and traces, one with a spatial part (tile groups of 2 ranks, K = 1), and
-an in-process run of a segmentation model (no timing assertions)."""
+an in-process run of a segmentation model and one with --split-backward auto (no timing assertions)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_mpi
-from gems import bench
+from gems import bench, models, partition
 from gems.obs import bench_report
 from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
 from gems.comm import loopback
@@ -45,6 +45,7 @@ def test_default_micro_batches_hold_one_image():
     ({"spatial": "2", "batch_size": 3}, 4, "does not split into 2 group"),
     ({"spatial": "auto"}, 2, "needs the tile count"),
     ({"spatial": "2", "shard_optimizer": True}, 2, "cannot shard the optimizer"),
+    ({"split_backward": "sometimes"}, 2, "split backward must be one of auto, on, off"),
 ])
 def test_bad_input_names_the_fix(kw, world, message):
     with pytest.raises(GemsError, match=message):
@@ -152,3 +153,16 @@ def test_segmentation_model_trains_on_masks_in_process():
     result, ref = report["schedules"]["mast"], report["reference"]
     assert math.isfinite(result["step_time"]) and result["peak_memory"][0] > 0 and ref["peak_memory"] > 0
     assert "segmentation (3 classes, synthetic per-pixel masks, cross-entropy)" in bench_report.table(report)
+
+
+def test_split_backward_auto_is_chosen_per_schedule_and_reported(one_torch_thread):
+    """Each schedule's plan chooses; the stage times, the simulator and the header follow that choice."""
+    cfg = BenchConfig(model=TINY, image_size=16, batch_size=2, schedules="mp,mast", steps=1, warmup=0,
+                      split_backward="auto")
+    report = loopback.run(2, lambda comm: bench.run(cfg, comm))[0]
+    chosen = {name: r["split_backward"] for name, r in report["schedules"].items()}
+    planned = {name: partition.plan(models.build(TINY, num_classes=10), (3, 16, 16), 2, 2, name, 1,
+                                    balance_by="time", split_backward="auto").split_backward for name in chosen}
+    assert chosen == planned and any(chosen.values()), chosen
+    split = ", ".join(name for name, s in chosen.items() if s)
+    assert f"; backward split where the planner predicts it faster (auto): {split}" in bench_report.table(report)

@@ -11,7 +11,7 @@ from gems.pipeline import ir, schedule as sch
 from gems.pipeline.splitgrad import input_half, weight_half
 from gems.pipeline.validate import validate
 
-from equivalence import run_loopback
+from equivalence import make_plan, run_loopback
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -114,6 +114,17 @@ SPLIT_LAYOUTS = [("mast", 2, 1, 1), ("mast", 2, 2, 2), ("mast", 3, 2, 1), ("mast
 @pytest.mark.parametrize("schedule,K,m,D", SPLIT_LAYOUTS)
 def test_split_backward_trains_like_one_process(schedule, K, m, D):
     run_loopback("transparency", schedule, K, m, D, steps=3, split=True)
+
+
+# (layout, whether --split-backward auto splits it): at mast K = 2, m = 2 the split order predicts a longer step
+AUTO_LAYOUTS = [(("mast", 4, 2, 1), True), (("1f1b", 3, 2, 1), True), (("mast", 2, 2, 1), False)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout,splits", AUTO_LAYOUTS)
+def test_a_plan_that_chose_for_itself_trains_like_one_process(layout, splits):
+    assert make_plan("transparency", *layout, split=None).split_backward is splits
+    run_loopback("transparency", *layout, steps=3, split=None)
 
 
 @pytest.mark.timeout(60)

@@ -33,7 +33,9 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 def dataclass_parser(prog: str, description: str, config: type) -> argparse.ArgumentParser:
     """A parser with one flag per field of the ``config`` dataclass (``batch_size`` ->
     ``--batch-size``): type, default, choices and help come from the field (see gems.train.config.opt);
-    booleans get ``--x/--no-x``; ``tuple[str, ...]`` fields are repeatable flags."""
+    booleans get ``--x/--no-x``; ``tuple[str, ...]`` fields are repeatable flags; a field with a
+    ``const`` takes ``--x [CHOICE]``, the flag alone meaning ``const``, and ``--no-x`` meaning its
+    ``negative`` (``--split-backward [auto|on|off]``, once a boolean: its command lines stay valid)."""
     p = parser(prog, description)
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
@@ -42,6 +44,12 @@ def dataclass_parser(prog: str, description: str, config: type) -> argparse.Argu
         kind = hints[f.name]
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            continue
+        if "const" in f.metadata:
+            p.add_argument(flag, nargs="?", const=f.metadata["const"], default=default,
+                           choices=f.metadata.get("choices"), help=f.metadata["help"])
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=f.metadata["negative"],
+                           default=argparse.SUPPRESS, help=f"the same as {flag} {f.metadata['negative']}")
             continue
         if typing.get_origin(kind) is tuple:   # tuple[str, ...]: a repeatable flag, values in order
             p.add_argument(flag, action=_Collect, default=default, metavar=f.metadata.get("metavar"),

@@ -10,6 +10,7 @@
               --comm torch --amp bf16 --calibrate --simulate      # on the GPU machine itself
     gems-plan --model torchvision:resnet50 --image-size 16384 --batch-size 2 --stages 2 --schedule mast \
               --recompute auto --memory-budget 80GiB --spatial 4  # stage 0's first units on 4 tiles each
+    gems-plan --model resnet18 --image-size 512 --batch-size 8 --stages 4 --split-backward auto
 
 The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
 on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
@@ -17,7 +18,8 @@ Speeds default to a V100 on PCIe 3; --calibrate measures this machine's device i
 (``gems.partition.calibrate``). --comm adds what a rank holds on a GPU besides tensors
 (``gems.partition.overhead``). --spatial runs stage 0's first units on tile groups of P ranks
 (``gems.partition.spatial``); with --memory-budget and no --spatial, it is tried when nothing
-else fits (``auto``).
+else fits (``auto``). --split-backward auto plans with and without the split backward and keeps the
+faster that fits (``gems.partition.backward``); the table's last lines say which and why.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def class_count(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from gems.partition import BALANCE_BY, OPTIMIZER_STATE
+    from gems.partition.backward import SPLIT_MODES
     from gems.partition.options import MODES, parse_bandwidth
     from gems.partition.overhead import COMMS
     from gems.partition.planner import AMP
@@ -97,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=checked(positive), help="K, stages per pipeline (required unless --sweep)")
     p.add_argument("--schedule", default="mast", choices=SCHEDULES)
     p.add_argument("--micro-batches", type=checked(positive), default=1, help="m, per replica per step")
-    p.add_argument("--split-backward", action="store_true",
-                   help="split each backward into input- and weight-gradient actions; weight-gradients fill bubbles")
+    p.add_argument("--split-backward", nargs="?", const="on", default="off", choices=list(SPLIT_MODES),
+                   help="split each backward into input- and weight-gradient actions, weight-gradients filling "
+                        "bubbles: on (the flag alone), off, or auto (plan both ways, keep the faster that fits)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="each rank of a sync group updates a share of the parameters (recorded in the plan, "
                         "not yet priced)")
@@ -291,11 +295,11 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
         plans[name, K, m] = p
         if p.fits is False:
             over.append(p)
-        return costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes
+        return (costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes,
+                p.split_backward)   # with --split-backward auto, each plan's own choice
 
     stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
-    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget,
-                  split=args.split_backward)
+    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)
     budget = f" within {format_size(args.memory_budget)}" if args.memory_budget else ""
     lines = [f"sweep: {world} ranks, batch {args.batch_size}, {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
              f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node of {V100_CLUSTER.ranks_per_node}, "
@@ -304,13 +308,15 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
              + (f" ({len(over)} over the budget)" if over else ""),
              f"{'schedule':10}{'K':>3}{'m':>3}{'D':>4}{'step (ms)':>11}{'images/s':>10}{'est. peak':>12}  policies"]
     for c in found[:12]:
-        kinds = sorted({pol.kind for pol in plans[c.schedule, c.stages, c.micro_batches].policies})
+        made = plans[c.schedule, c.stages, c.micro_batches]
+        kinds = sorted({pol.kind for pol in made.policies}) + ["split backward"] * made.split_backward
         lines.append(f"{c.schedule:10}{c.stages:>3}{c.micro_batches:>3}{c.groups:>4}{c.step_time * 1e3:>11.1f}"
                      f"{c.images_per_second:>10.2f}{format_size(c.peak_bytes):>12}  {','.join(kinds)}")
     if found:
         best = found[0]
+        split = " --split-backward" if plans[best.schedule, best.stages, best.micro_batches].split_backward else ""
         lines.append(f"recommended: --stages {best.stages} --schedule {best.schedule} --micro-batches "
-                     f"{best.micro_batches} on {world} ranks ({best.groups} data-parallel group(s))")
+                     f"{best.micro_batches}{split} on {world} ranks ({best.groups} data-parallel group(s))")
     else:
         lines.append("nothing fits: raise --memory-budget, allow --recompute auto / --offload auto, "
                      "or use more ranks")

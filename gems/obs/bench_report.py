@@ -21,7 +21,7 @@ def table(report: dict) -> str:
              f"{task['name']} ({task['classes']} classes, synthetic {targets}, cross-entropy), "
              f"K={K}, {W} ranks x {report['threads']} thread(s), {report['device']}, "
              f"{cfg['steps']} steps after {cfg['warmup']} warm-up, medians; balance by {cfg['balance_by']}"
-             + ("; backward split" if cfg.get("split_backward") else "")
+             + _split(cfg.get("split_backward"), report["schedules"])
              + (f"; --spatial {cfg['spatial']}: stage 0's first units on tile groups of {report['tiles']} ranks, "
                 f"all {W} ranks counted in the physical limit" if cfg.get("spatial") else "")
              + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
@@ -60,6 +60,15 @@ def table(report: dict) -> str:
         rows.append(["reference", _memory_cell(ref["peak_memory"], ref["plan_memory"]), *(["-"] * (W - 1))])
     lines += _grid(rows)
     return "\n".join(lines)
+
+
+def _split(mode, schedules: dict) -> str:
+    """The header's word on the split backward: forced, or which schedules the planner split (auto).
+    ``mode`` is "auto", "on", "off" (a report written before auto: True or False)."""
+    if mode == "auto":
+        split = [r["schedule"] for r in schedules.values() if r.get("split_backward")]
+        return f"; backward split where the planner predicts it faster (auto): {', '.join(split) or 'nowhere'}"
+    return "; backward split" if mode in (True, "on") else ""
 
 
 def _tiles(result: dict) -> str:

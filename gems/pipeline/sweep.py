@@ -48,7 +48,8 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
     or ``(Costs, micro-batch size, peak bytes)`` (e.g. from a plan made for it, whose peak
     knows memory policies and working memory), or None to skip it (say, a batch that does
     not split). Without a peak, the simulated static + activation peak is used. ``split``: every
-    schedule with its backward split (``gems.pipeline.splitgrad``).
+    schedule with its backward split (``gems.pipeline.splitgrad``), unless a fourth element of the
+    tuple says for that configuration (a plan that chose for itself).
     """
     found = []
     for name in schedules:
@@ -59,7 +60,8 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
                 made = costs_for(name, K, m, world // K)
                 if made is None:
                     continue
-                result = simulate(name, K, m, made[0], network, world // K, optimizer_time, split)
+                result = simulate(name, K, m, made[0], network, world // K, optimizer_time,
+                                  made[3] if len(made) > 3 else split)
                 peak = made[2] if len(made) > 2 and made[2] is not None else max(result.peak_bytes)
                 if memory_budget is None or peak <= memory_budget:
                     found.append(Candidate(name, K, m, world // K, result.step_time,

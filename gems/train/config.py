@@ -36,6 +36,12 @@ MODEL_ARG_HELP = ("a keyword argument for the model's builder, KEY=VALUE (repeat
 SPATIAL_HELP = ("split each image of stage 0's first units across P ranks (a number, or a RxC grid) at each position "
                 "holding stage 0; world = groups x (stages + (P-1) x those positions)")
 
+# --split-backward: the words of gems.partition.backward.SPLIT_MODES (not imported here: it loads torch)
+SPLIT_CHOICES = ("auto", "on", "off")
+SPLIT_HELP = ("split each backward into input- and weight-gradient actions, the weight-gradients filling pipeline "
+              "bubbles: on (the flag alone), off, or auto (the planner plans both ways and keeps the faster that "
+              "fits the memory budget)")
+
 
 def model_kwargs(pairs: Iterable[str]) -> dict[str, Any]:
     """``--model-arg`` values (``"drop_path_rate=0.1"``) as builder keyword arguments. A value is
@@ -88,8 +94,8 @@ class TrainConfig:
     stages: int = opt(2, "K, stages per pipeline; data-parallel groups D = ranks / K")
     schedule: str = opt("mast", "pipeline schedule", choices=("mp", "gpipe", "1f1b", "mast"))
     micro_batches: int = opt(1, "micro-batches per replica per step")
-    split_backward: bool = opt(False, "split each backward into input- and weight-gradient actions, the "
-                                      "weight-gradients filling pipeline bubbles (zero-bubble style)")
+    split_backward: str = opt("off", SPLIT_HELP + " (zero-bubble style)", choices=SPLIT_CHOICES, const="on",
+                              negative="off")
     shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
                                        "the parameters and keeps only their optimizer state")
     spatial: str | None = opt(None, SPATIAL_HELP)
@@ -173,6 +179,8 @@ class TrainConfig:
                             f"or --image-size, and at most {MAX_CLASSES} classes")
         if not -2**63 <= self.seed < 2**63:
             raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
+        from gems.partition.backward import split_mode  # noqa: PLC0415 - the planner's parser, once
+        split_mode(self.split_backward)
         if self.spatial is not None:
             from gems.pipeline.tiled import check_spatial  # noqa: PLC0415 - what the engine refuses, before it starts
             check_spatial(self.tiles(), self.shard_optimizer, self.batch_norm)
