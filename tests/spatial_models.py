@@ -10,11 +10,11 @@ from torch import nn
 class Block(nn.Module):
     """A residual block; ``down``: 3x3 stride-2 and a 1x1 stride-2 shortcut."""
 
-    def __init__(self, c: int, down: bool = False) -> None:
+    def __init__(self, c: int, down: bool = False, norm=lambda c: nn.GroupNorm(2, c)) -> None:
         super().__init__()
         out = 2 * c if down else c
-        self.c1, self.n1 = nn.Conv2d(c, out, 3, 2 if down else 1, 1), nn.GroupNorm(2, out)
-        self.c2, self.n2 = nn.Conv2d(out, out, 3, 1, 1), nn.GroupNorm(2, out)
+        self.c1, self.n1 = nn.Conv2d(c, out, 3, 2 if down else 1, 1), norm(out)
+        self.c2, self.n2 = nn.Conv2d(out, out, 3, 1, 1), norm(out)
         self.skip = nn.Conv2d(c, out, 1, 2) if down else nn.Identity()
 
     def forward(self, x):
@@ -25,16 +25,21 @@ class GroupNormNet(nn.Module):
     """5x5 stride-2 stem, max pooling, residual blocks with stride-2 downsampling (GroupNorm), a
     classifier head that pools the whole image."""
 
-    def __init__(self, classes: int = 5) -> None:
+    def __init__(self, classes: int = 5, norm=lambda c: nn.GroupNorm(2, c)) -> None:
         super().__init__()
-        self.stem, self.gn = nn.Conv2d(3, 8, 5, 2, 2), nn.GroupNorm(2, 8)
+        self.stem, self.gn = nn.Conv2d(3, 8, 5, 2, 2), norm(8)
         self.pool = nn.MaxPool2d(3, 2, 1)
-        self.b1, self.b2 = Block(8), Block(8, down=True)
+        self.b1, self.b2 = Block(8, norm=norm), Block(8, down=True, norm=norm)
         self.head = nn.Linear(16, classes)
 
     def forward(self, x):
         x = self.b2(self.b1(self.pool(F.relu(self.gn(self.stem(x))))))
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def BatchNormNet(classes: int = 5) -> GroupNormNet:   # noqa: N802 - a model class's name
+    """GroupNormNet with BatchNorm layers (batch statistics: not batch-independent)."""
+    return GroupNormNet(classes, norm=nn.BatchNorm2d)
 
 
 class Everything(nn.Module):

@@ -146,7 +146,7 @@ def _train(comm, copies, plans, mode: str, steps: int, poison: int | None, retra
                calls, expected_unit_calls(engine),
                sum(plan.cuts[a.stage + 1] - plan.cuts[a.stage] for a in engine.actions if a.op == sch.FORWARD),
                # the tiny model's layers all have 8 channels: Σx, Σx², count = 17 entries each
-               engine.grads.batch_norms.sums.view(-1, 17)[:, -1].tolist())
+               [c for _, norms in engine.grads.batch_norms for c in norms.sums.view(-1, 17)[:, -1].tolist()])
 
 
 def run(mode: str, schedule: str, K: int, m: int, D: int, steps: int = 2, policy: str = "none",

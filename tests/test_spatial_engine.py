@@ -24,7 +24,7 @@ from gems.graph import graph_units
 from gems.spatial import flatten
 from gems.pipeline.topology import ranks_per_group
 from models.unet import UNet
-from spatial_models import GroupNormNet
+from spatial_models import BatchNormNet, GroupNormNet
 
 pytestmark = pytest.mark.timeout(180)
 CLASSES = 5
@@ -46,11 +46,11 @@ def _optimizer(params):
 
 def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
     torch.manual_seed(0)
-    model = net(CLASSES) if net is GroupNormNet else net()
+    model = net() if net is _unet else net(CLASSES)
     opt = _optimizer(model.parameters())
     losses = []
     for step in range(steps):
-        x, y = _data(batch, side, step, net is not GroupNormNet)
+        x, y = _data(batch, side, step, net is _unet)
         opt.zero_grad()
         loss = nn.CrossEntropyLoss()(model(x), y)
         loss.backward()
@@ -62,7 +62,7 @@ def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
 def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
           net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None):
     torch.manual_seed(0)
-    model = net(CLASSES) if net is GroupNormNet else net()
+    model = net() if net is _unet else net(CLASSES)
     plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
                           split_backward=split, micro_batches=m, split_points=split_points)
     plan.spatial_grid = list(grid)
@@ -76,7 +76,7 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
            split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None,
-           made=None):
+           made=None, batch_norm: str = "micro-batch"):
     model, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
                                 recompute)
     world = ranks_per_group(K, schedule, plan.tiles, bool(plan.spatial_start)) * groups
@@ -90,10 +90,10 @@ def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups:
 
     def rank(comm):
         engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
-                             loss_fn=nn.CrossEntropyLoss(), comm=comm)
+                             loss_fn=nn.CrossEntropyLoss(), comm=comm, batch_norm=batch_norm)
         losses = []
         for step in range(steps):
-            x, y = _data(batch, side, step, net is not GroupNormNet)
+            x, y = _data(batch, side, step, net is _unet)
             losses.append(engine.step(x, y))
         return engine.state_dict(), losses
 
@@ -233,3 +233,71 @@ def test_predict_on_a_spatial_plan(K, schedule, unet):
         expected = model.eval()(x)
     assert torch.allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
     assert all(o is None for o in outputs[1:])
+
+
+def _deferred_reference(batch: int, rows: int, side: int, steps: int):
+    """One process, BatchNormNet: each step's micro-batches of ``rows`` images in turn, each
+    normalised with its own statistics and writing nothing; after the optimizer step the running
+    statistics are updated once from the float64 Σx, Σx², count of the whole global batch."""
+    torch.manual_seed(0)
+    model = BatchNormNet(CLASSES)
+    opt = _optimizer(model.parameters())
+    layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    sums: dict = {}
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda layer, args: sums.setdefault(layer, []).append(args[0].detach().double()))
+    for step in range(steps):
+        x, y = _data(batch, side, step)
+        sums.clear()
+        opt.zero_grad()
+        for layer in layers:
+            layer.track_running_stats = False
+        for i in range(0, batch, rows):
+            (nn.CrossEntropyLoss()(model(x[i:i + rows]), y[i:i + rows]) * rows / batch).backward()
+        opt.step()
+        with torch.no_grad():
+            for layer in layers:
+                layer.track_running_stats = True
+                seen = torch.cat([t.transpose(0, 1).reshape(t.shape[1], -1) for t in sums[layer]], 1)
+                n = seen.shape[1]
+                mean, var = seen.mean(1), (seen.pow(2).sum(1) - n * seen.mean(1) ** 2) / (n - 1)
+                layer.num_batches_tracked += 1
+                layer.running_mean.copy_(0.9 * layer.running_mean.double() + 0.1 * mean)
+                layer.running_var.copy_(0.9 * layer.running_var.double() + 0.1 * var)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("K, schedule, batch, end", [(1, "mp", 2, 12), (2, "mast", 4, None)])
+def test_deferred_batch_norm_with_a_spatial_part(K, schedule, batch, end):
+    """--batch-norm deferred: tiled BatchNorm layers add their whole images' statistics once per
+    tile group (its first tile), summed over every tile of every copy; the untiled rest over the
+    leaders. K = 1 with b2 untiled on the leader (end 12); mast K = 2 (4 ranks, two images per
+    micro-batch). Every rank's copy of every layer ends with the running statistics of one batch
+    of the whole global batch, parameters as one process."""
+    model, plan = _plan(36, batch, K, schedule, (2, 1), end=end, net=BatchNormNet)
+    assert any(n.endswith((".n1", ".n2")) for n in plan.unit_names[plan.spatial_end:plan.cuts[1]]) == (K == 1)
+    world = ranks_per_group(K, schedule, plan.tiles)
+    copies = []
+    for _ in range(world):
+        copies.append(graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size))
+        for unit in copies[-1]:
+            flatten(unit)
+
+    def rank(comm):
+        engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
+                             loss_fn=nn.CrossEntropyLoss(), comm=comm, batch_norm="deferred")
+        for step in range(3):
+            engine.step(*_data(batch, 36, step))
+        own = {(s, k): v.clone() for s, m in engine.stages.items() for k, v in m.state_dict().items()}
+        return engine.state_dict(), own
+
+    results = loopback.run(world, rank, semantics="nccl", timeout=60.0)
+    ref = _deferred_reference(batch, plan.micro_batch_size, 36, 3)
+    state = results[0][0]
+    assert state.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.allclose(state[k].double(), v.double(), rtol=1e-5, atol=1e-6 * v.abs().max().item()), k
+    leaders = {}
+    for r, (_, own) in enumerate(results):   # every copy, a member's tiled units too, as its leader's
+        for key, v in own.items():
+            assert torch.equal(v, leaders.setdefault(key, v)), (r, key)

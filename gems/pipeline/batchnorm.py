@@ -25,7 +25,11 @@ what it does instead:
     statistics once, exactly as PyTorch would for one batch of the whole global batch
     (mean, unbiased variance, the layer's momentum, or the cumulative average when momentum
     is None; ``num_batches_tracked`` += 1). One rule for every stage, the middle one under
-    ``mast`` with odd K included, and the result does not depend on K, m or D.
+    ``mast`` with odd K included, and the result does not depend on K, m or D. Tiled layers
+    (a spatial part, ``gems.spatial.ops.batch_norm``) normalise with their whole images'
+    statistics, which the group's first tile adds to the sums (each tile holds the same): the
+    sums of a tiled stage's tiled units are added over every tile of every copy, those of the
+    leader's untiled units over the leaders (``gems.pipeline.gradsync``'s parts).
 ``"frozen"``
     Every BatchNorm layer in eval mode: normalised with its running statistics, which are
     never updated (affine parameters still train) -- the fine-tuning setting. A forward
@@ -81,7 +85,9 @@ class BatchNorms:
         self._views = list(torch.split(self.sums, sizes)) if sizes else []
         self._counts_at = torch.tensor(sizes, dtype=torch.long, device=device).cumsum(0) - 1
         for layer, view in zip(self._deferred, self._views):
-            layer.forward = functools.partial(_deferred_forward, layer, view, layer.running_mean)
+            # a tiled layer (gems.spatial.ops.batch_norm) adds its whole images' statistics through this
+            layer.deferred_sums = functools.partial(_add, layer, view, layer.running_mean)
+            layer.forward = functools.partial(_deferred_forward, layer, layer.deferred_sums)
         kept = layers if mode == "frozen" else self._deferred
         # Running statistics kept identical across copies by the mode itself (never written, or
         # written from the same summed statistics), so the gradient bucket must not average them.
@@ -118,10 +124,9 @@ def _stay_in_eval(layer: nn.Module, args: tuple) -> None:
     layer.eval()
 
 
-def _deferred_forward(layer: _BatchNorm, sums: torch.Tensor, own_mean: torch.Tensor,
-                      x: torch.Tensor) -> torch.Tensor:
+def _deferred_forward(layer: _BatchNorm, add, x: torch.Tensor) -> torch.Tensor:
     """``layer``'s forward under the deferred mode: the micro-batch's own statistics normalise
-    it, and land in ``sums`` (Σx, Σx², count) instead of the running statistics."""
+    it, and land in the step's sums (``add``: ``_add``) instead of the running statistics."""
     if not layer.training:
         return type(layer).forward(layer, x)
     layer._check_input_dim(x)
@@ -129,11 +134,20 @@ def _deferred_forward(layer: _BatchNorm, sums: torch.Tensor, own_mean: torch.Ten
     # scratch tensors: the statistics come from the pass that normalises, at no extra cost.
     mean, var = torch.zeros_like(layer.running_mean), torch.ones_like(layer.running_var)
     y = nn.functional.batch_norm(x, mean, var, layer.weight, layer.bias, True, 1.0, layer.eps)
-    if layer.running_mean is own_mean:   # not a recomputation (stage.py swaps in copies then)
-        with torch.no_grad():
-            c, n = layer.num_features, x.numel() // layer.num_features
-            mean, var = mean.double(), var.double()
-            sums[:c] += n * mean
-            sums[c:2 * c] += n * mean * mean + (n - 1) * var
-            sums[2 * c] += n
+    add(mean, var, x.numel() // layer.num_features)
     return y
+
+
+@torch.no_grad()
+def _add(layer: _BatchNorm, sums: torch.Tensor, own_mean: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+         n: int) -> None:
+    """Add a batch of ``n`` values per channel with ``mean`` and unbiased ``var`` to ``sums`` (Σx,
+    Σx², count) -- unless ``layer`` is being recomputed (stage.py swaps in copies of its running
+    statistics then), whose batch was counted by its first forward."""
+    if layer.running_mean is not own_mean:
+        return
+    c = layer.num_features
+    mean, var = mean.double(), var.double()
+    sums[:c] += n * mean
+    sums[c:2 * c] += n * mean * mean + (n - 1) * var
+    sums[2 * c] += n

@@ -59,12 +59,17 @@ class GradSync:
         self._parts = {(s, i): (module, made[tuple(ranks)] if len(ranks) > 1 else None, ranks[0])
                        for s in sorted(parts) for i, (module, ranks) in enumerate(parts[s])}
         mine = {id(g) for _, g, _ in self._parts.values()}
-        # the one group all this rank's stages sync with (sharded optimizer, deferred BatchNorm); None if
-        # they sync with nobody, or with different groups (a tile group's leader: neither is offered there)
+        # the one group all this rank's stages sync with (sharded optimizer); None if they sync with
+        # nobody, or with different groups (a tile group's leader: sharding is not offered there)
         self.group_comm = next(iter(self._parts.values()))[1] if len(mine) == 1 else None
         self._make_identical()
-        self.batch_norms = BatchNorms(stages.values(), batch_norm, device)
-        kept = {id(b) for b in self.batch_norms.kept_buffers}
+        # BatchNorm layers by the group their part syncs over (first seen first: the same order on every
+        # rank); a tiled part's deferred sums are added over every tile, the rest over the leaders
+        by_group: dict[int, tuple[object, list[nn.Module]]] = {}
+        for module, group, _ in self._parts.values():
+            by_group.setdefault(id(group), (group, []))[1].append(module)
+        self.batch_norms = [(group, BatchNorms(modules, batch_norm, device)) for group, modules in by_group.values()]
+        kept = {id(b) for _, norms in self.batch_norms for b in norms.kept_buffers}
         params = {k: [p for p in m.parameters() if p.requires_grad] for k, (m, _, _) in self._parts.items()}
         stats = {k: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
                  for k, (m, _, _) in self._parts.items()}
@@ -185,7 +190,8 @@ class GradSync:
         """Check that the gradients live in the bucket (re-attaching any set to None) and remember
         the buffers (restored if the step turns out not finite). Communicates nothing."""
         self._attach()
-        self.batch_norms.begin_step()
+        for _, norms in self.batch_norms:
+            norms.begin_step()
         if self._stats_buffers:
             torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats_before)
         for c, before in zip(self._counters, self._counters_before):
@@ -230,7 +236,8 @@ class GradSync:
                 if buffers:
                     copy /= self._parts[key][1].size
                     self._scatter(copy, buffers)
-        self.batch_norms.sync(self.comm, self.group_comm)
+        for group, norms in self.batch_norms:
+            norms.sync(self.comm, group)
         self._scalars[0] = loss.reshape(())
         self._scalars[1] = 0.0
         if self.clip_grad_norm is not None and (self.counts_norm or self._owned is not None):
@@ -270,7 +277,8 @@ class GradSync:
             optimizer.step()
             if self._owned is not None:
                 self._share_params()
-            self.batch_norms.update()
+            for _, norms in self.batch_norms:
+                norms.update()
         self._zero_grads()
         return applied
 

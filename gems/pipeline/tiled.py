@@ -40,9 +40,6 @@ def check_spatial(tiles: int, shard_optimizer: bool, batch_norm: str) -> None:
     if shard_optimizer:
         raise GemsError("a plan with a spatial part cannot shard the optimizer (its stages sync over different "
                         "groups): train without --shard-optimizer")
-    if batch_norm == "deferred":
-        raise GemsError("a plan with a spatial part computes BatchNorm statistics over each micro-batch's whole "
-                        "images: use --batch-norm micro-batch or frozen, not deferred")
 
 
 def tile_groups(comm, topology: Topology, grid: list[int]) -> TileGroup | None:

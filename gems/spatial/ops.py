@@ -209,16 +209,23 @@ def spatial_sum(x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
 
 def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
     """Training-mode BatchNorm2d with statistics of the whole images (every tile), and PyTorch's
-    update of the running statistics; eval mode is per pixel and runs the module itself."""
+    update of the running statistics -- or, for a layer under gems's deferred mode (its
+    ``deferred_sums``, ``gems.pipeline.batchnorm``), the statistics added to the step's sums by
+    the group's first tile alone (the others hold the same; the sums are added over every tile);
+    eval mode is per pixel and runs the module itself."""
     if not (module.training or module.running_mean is None):
         return module(x)
+    deferred = getattr(module, "deferred_sums", None)
     factor = 0.0
-    if module.training and module.track_running_stats:
+    if module.training and module.track_running_stats and deferred is None:
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     n = x.shape[0] * size[0] * size[1]
     y, mean, var = _BatchNorm.apply(x, module.weight, module.bias, tiles, n, module.eps)
-    if module.training and module.track_running_stats:
+    if deferred is not None:
+        if tiles.index == 0:
+            deferred(mean, var * (n / max(n - 1, 1)), n)
+    elif module.training and module.track_running_stats:
         with torch.no_grad():
             module.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
             module.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
