@@ -51,6 +51,16 @@ def test_bad_input_in_a_subprocess():
     assert result.stderr.strip().splitlines()[-1].startswith("gems-plan: error: ")
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`gems-plan ... | head`: stdout's pipe closed before the table is written -> status 141 (a writer
+    killed by SIGPIPE), no traceback."""
+    body = "import sys; from gems.cli import run; sys.exit(run('gems-plan', lambda: print('plan ' * 100_000)))"
+    child = subprocess.Popen([sys.executable, "-c", body], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    assert child.wait(timeout=60) == 141
+    assert child.stderr.read() == b""
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--image-size", "4"], "use a larger image size"),
     (["--batch-size", "3"], "use a multiple of 2"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 import typing
 from collections.abc import Callable
@@ -82,7 +84,8 @@ def checked(convert: Callable[[str], object]) -> Callable[[str], object]:
 def run(prog: str, body: Callable[[], int | None]) -> int:
     """Run a command's body; return its exit status (0 when it returns None).
 
-    GemsError -> ``prog: error: <message>`` on stderr and status 2; Ctrl-C -> status 130.
+    GemsError -> ``prog: error: <message>`` on stderr and status 2; Ctrl-C -> status 130; a
+    closed stdout (a pipe whose reader left) -> status 141, quietly.
     """
     try:
         status = body()
@@ -92,6 +95,9 @@ def run(prog: str, body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader left (`gems-plan ... | head`): stop quietly, as a killed writer would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        return 128 + signal.SIGPIPE
     return 0 if status is None else int(status)
 
 

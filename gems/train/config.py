@@ -99,7 +99,9 @@ class TrainConfig:
     shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
                                        "the parameters and keeps only their optimizer state")
     spatial: str | None = opt(None, SPATIAL_HELP)
-    plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start")
+    plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start: its cuts, "
+                                 "memory policies, split backward and spatial part stand, whatever the planning "
+                                 "flags say")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
     split_points: str | None = opt(None, "module paths where stages 2, 3, ... begin, comma-separated, e.g. "
