@@ -12,14 +12,12 @@ to the cheapest policy that still fits (``budget.relax``). With a memory budget 
 requested K misses, the plan also names the smallest K that would fit
 (``budget.smallest_fitting``).
 
-A spatial part (``spatial``: P tiles, a grid, or ``auto`` when no plan without one fits the
-budget) runs stage 0's first units on a tile group of P ranks: each candidate (grid, end) is
-priced on the group leader's profile and planned as above, and the best kept
-(``gems.partition.spatial``).
+A spatial part (``spatial``: P tiles, a grid, or ``auto`` when no plan without one fits the budget)
+runs stage 0's first units on a tile group of P ranks: each candidate (grid, end) is priced on
+the group leader's profile, planned as above, the best kept (``gems.partition.spatial``).
 
-On a GPU, a rank also holds memory besides tensors (``overhead``: the CUDA context, NCCL's
-buffers); with ``comm`` given, the plan reports it apart from the tensor peaks and leaves room
-for it under the budget.
+On a GPU, a rank also holds memory besides tensors (``overhead``: the CUDA context, NCCL's buffers);
+with ``comm`` given, the plan reports it apart from the tensor peaks and leaves room for it.
 """
 from __future__ import annotations
 
@@ -48,7 +46,7 @@ from .profile import OPTIMIZER_STATE, profile
 from .records import ModelProfile
 from .solver import cuts_from_balance, evaluate, solve
 from .request import dtype_of, input_shape_of, positive_int
-from .spatial import AUTO_TILES, Suffixes, Tiling, parse_spatial, search, tiled_profile, tiled_times
+from .spatial import AUTO_TILES, Suffixes, Tiling, member_peaks, parse_spatial, search, tiled_profile, tiled_times
 
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
@@ -177,8 +175,11 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         rank that holds the most, a tile group's leader (``gems.partition.spatial``)."""
         p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(sharers)
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
-        policies = PolicyModel(p, device, *unit_seconds(p, rate, times), bandwidth, tiles.barriers if tiles else ())
-        return _Job(p, model, policies, name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles)
+        def priced(q: ModelProfile) -> PolicyModel:
+            return PolicyModel(q, device, *unit_seconds(q, rate, times), bandwidth, tiles.barriers if tiles else ())
+        member = priced(tiled_profile(prof, tiles, member=True)) if tiles else None   # a tile group's other ranks
+        return _Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
+                    member)
 
     def solved(job: _Job, split: bool) -> Plan:
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
@@ -294,8 +295,9 @@ class _Job:
     def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
                  shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
                  overhead: dict[str, int], amp: str, unit_times: Sequence[float] | None,
-                 tiling: Tiling | None) -> None:
+                 tiling: Tiling | None, member: PolicyModel | None = None) -> None:
         self.prof, self.units, self.policies, self.name, self.shape = prof, units, policies, name, shape
+        self.member = member   # with tiles: the prices of a tile group's other ranks
         self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
         self.overhead, self.amp, self.unit_times, self.tiling = overhead, amp, unit_times, tiling
         self.room = None if budget is None else budget - sum(overhead.values())
@@ -364,6 +366,8 @@ class _Job:
                 flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
                 plain_peak_bytes=static + plain_activations + plain_transient + sending[p],
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
+        for p, peak in enumerate(member_peaks(self.member, costs, cuts, policies, tiles) if tiles else []):
+            positions[p].member_peak_bytes = peak
         mean = float(np.mean(loads))
         fits = None if self.room is None else max(p.peak_bytes for p in positions) <= self.room
         result = Plan(

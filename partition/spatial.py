@@ -38,6 +38,8 @@ from gems.plan import Plan
 from gems.spatial.geometry import grids
 from gems.spatial.limit import Reach, suffix_limit
 from gems.spatial.stage import check_grid
+from .costs import CostModel, highest
+from .policy import PolicyModel
 from .records import ModelProfile, Storage
 
 AUTO_TILES = (2, 4, 8, 16)    # P tried by spatial="auto", fewest ranks first
@@ -117,8 +119,11 @@ def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, su
     return Tiling(tuple(grid), end, halo, gather, messages + (P - 1) * len(moved), suffix.first if suffix else 0)
 
 
-def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
-    """``prof`` as the leader of ``t``'s tile group holds and computes it (module docstring)."""
+def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelProfile:
+    """``prof`` as the leader of ``t``'s tile group holds and computes it (module docstring); with
+    ``member``, as one of the other ranks of the group: its tiled units alike but for the leader's
+    gather and scatter buffers, nothing of the others, and as a tile every activation a tiled
+    unit makes, reads or saves (``PositionEstimate.member_peak_bytes``)."""
     P, end, start = t.tiles, t.end, t.start
 
     def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside a tiled range
@@ -127,19 +132,49 @@ def tiled_profile(prof: ModelProfile, t: Tiling) -> ModelProfile:
     # the leader's receive (and send) buffers of the other tiles while it gathers (scatters) a boundary,
     # forward and backward
     boundary, moving = prof.boundary_bytes(), [0] * len(prof)
-    moving[end - 1] = (P - 1) * _share(int(boundary[end]), P)
-    if start:
-        moving[start] += (P - 1) * _share(int(boundary[start]), P)
-        moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
+    if not member:
+        moving[end - 1] = (P - 1) * _share(int(boundary[end]), P)
+        if start:
+            moving[start] += (P - 1) * _share(int(boundary[start]), P)
+            moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
+    untiled = (lambda u: replace(u, **dict.fromkeys(_HELD, 0))) if member else (lambda u: u)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
                      forward_working=_share(u.forward_working, P) + t.halo[i] + moving[i],
                      backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + moving[i],
                      eval_working=_share(u.eval_working, P) + t.halo[i] + moving[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
-             if t.tiled(i) else u for i, u in enumerate(prof.units)]
-    storages = [replace(s, nbytes=_share(s.nbytes, P)) if tiled(s) else s for s in prof.storages]
+             if t.tiled(i) else untiled(u) for i, u in enumerate(prof.units)]
+    if member:
+        storages = [replace(s, nbytes=_share(s.nbytes, P)) for s in prof.storages if any(map(t.tiled, s.touchers()))]
+    else:
+        storages = [replace(s, nbytes=_share(s.nbytes, P)) if tiled(s) else s for s in prof.storages]
     storages += [Storage(nbytes=b, savers=(u,), boundaries=()) for u, b in enumerate(t.halo) if b]
     return replace(prof, units=units, storages=storages, _matrix=None, _working=None)
+
+
+# what a member holds of a unit it does not run: nothing
+_HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "saved_bytes", "forward_working",
+         "backward_working", "eval_working", "forward_flops", "backward_flops")
+
+
+def member_peaks(member: PolicyModel, leader: CostModel, cuts: Sequence[int], policies: Sequence,
+                 t: Tiling) -> list[int]:
+    """Per position, the peak of a tile group's member there (0 where none is): ``member`` the
+    prices of its profile (``tiled_profile(..., member=True)``), ``leader`` the plan's costs; a
+    member runs the forwards and backwards of the stages with tiled units in its leader's order."""
+    stages = [0, leader.K - 1] if t.start else [0]
+    costs = CostModel(member.profile, leader.schedule, leader.K, leader.m, None, member, leader.kind, leader.split,
+                      leader.spatial_end, leader.spatial_start)
+    peaks = []
+    for p in range(costs.K):
+        held = [s for s in costs.holds(p) if s in stages]
+        on = {s: costs.stage(list(cuts), s, policies[s])[p] for s in held}
+        kept, transient, back = ({s: getattr(on[s], f) if s in on else 0 for s in costs.holds(p)}
+                                 for f in ("kept", "transient", "back"))
+        _, activations, working = highest(costs.moments[p], kept, transient, back)
+        static = sum(int(costs.static[cuts[s], cuts[s + 1]]) for s in held)
+        peaks.append(static + activations + working if held else 0)
+    return peaks
 
 
 def tiled_times(times: Sequence[float] | None, t: Tiling) -> list[float] | None:

@@ -90,7 +90,8 @@ def test_estimate_error_kind_and_place():
     assert memory.estimate_error(0, 5) == "n/a"
     assert "allocator" in memory.kind(CPU)
     assert memory.place(1, 0) == "position 1"
-    assert memory.place(0, 2) == "position 0, tile 2; the leader's estimate, a bound"   # a tile group's member
+    assert memory.place(0, 2) == "position 0, tile 2"   # a tile group's member, with its own estimate
+    assert memory.place(0, 2, bound=True) == "position 0, tile 2; the leader's estimate, a bound"   # an older plan
 
 
 SUMMARY = re.compile(r"rank (\d) \(position (\d)\): ([\d.]+) (KiB|MiB|GiB) measured, ([\d.]+) (KiB|MiB|GiB) "

@@ -128,6 +128,20 @@ def test_a_one_replica_pipeline_tiles_a_suffix_only_from_a_given_start():
     given.check()
 
 
+def test_a_tile_groups_other_ranks_are_estimated_on_their_own():
+    """A member holds its stages' tiled units only: under 1f1b with a suffix the last position's
+    member holds the suffix alone, less than its leader; positions that are no tile group, and
+    plans without tiles, have no member estimate; the JSON keeps it."""
+    one = dict(spatial_end=14, batch_size=2, stages=2, schedule="1f1b", micro_batches=2)
+    made = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **one)
+    first, last = made.positions
+    assert 0 < first.member_peak_bytes < first.peak_bytes
+    assert 0 < last.member_peak_bytes < 0.8 * last.peak_bytes
+    assert [p.member_peak_bytes for p in plan(_unet(), (3, 64, 64), spatial=2, **one).positions][1] == 0
+    assert all(p.member_peak_bytes == 0 for p in plan(_unet(), (3, 64, 64), **BASE).positions)
+    assert Plan.from_json(made.to_json()).positions[1].member_peak_bytes == last.member_peak_bytes
+
+
 def test_recompute_cut_at_the_spatial_edges_is_never_worse_than_none(capsys):
     """Segments cut at a prefix's end and a suffix's start keep those boundaries, and may keep more
     than no policy: the planner then recomputes nothing there (it raised ValueError: the zoo U-Net

@@ -192,12 +192,20 @@ def estimate_error(measured: int, estimated: int) -> str:
     return f"{estimated / measured - 1:+.1%}" if measured else "n/a"
 
 
-def place(position: int, tile: int) -> str:
-    """Where a rank's measured memory sits, for reports: "position r", or for a tile group's member
-    "position r, tile t; the leader's estimate, a bound" (the plan prices a position by its leader,
-    which holds the most: the gathered boundaries and its stages' untiled units, which a member
-    lacks -- under a one-replica pipeline a suffix's member holds only the suffix)."""
-    return f"position {position}" + (f", tile {tile}; the leader's estimate, a bound" if tile else "")
+def rank_estimate(estimate, tile: int) -> int:
+    """The plan's peak for a rank at ``tile`` of a position (its ``PositionEstimate``): a tile
+    group's member's own (tile > 0), else the position's, which prices the leader (the member's
+    bound, for a plan made before members were estimated)."""
+    return estimate.member_peak_bytes if tile and estimate.member_peak_bytes else estimate.peak_bytes
+
+
+def place(position: int, tile: int, bound: bool = False) -> str:
+    """Where a rank's measured memory sits, for reports: "position r", "position r, tile t" for a
+    tile group's member, and with ``bound`` "...; the leader's estimate, a bound" (a plan with no
+    member estimate: the leader holds the most, the gathered boundaries and its stages' untiled
+    units, which a member lacks)."""
+    return f"position {position}" + (f", tile {tile}" if tile else "") + (
+        "; the leader's estimate, a bound" if tile and bound else "")
 
 
 def kind(device: torch.device) -> str:

@@ -124,7 +124,7 @@ class Progress:
             f"  peak memory per rank over the last step ({memory.kind(self.engine.device)}) vs plan estimate:",
         ]
         for rank, (measured, process) in enumerate(zip(self.measured, self.peaks)):
-            estimate = self.plan.positions[self._position(rank)].peak_bytes
+            estimate = memory.rank_estimate(self.plan.positions[self._position(rank)], self._tile(rank))
             lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(measured)} measured, "
                          f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
                          f"process peak {format_size(process)}")
@@ -142,8 +142,12 @@ class Progress:
     def _position(self, rank: int) -> int:
         return self.engine.topology.place(rank)[1]
 
+    def _tile(self, rank: int) -> int:
+        return self.engine.topology.place(rank)[2]
+
     def _where(self, rank: int) -> str:
-        return memory.place(*self.engine.topology.place(rank)[1:])
+        position, tile = self.engine.topology.place(rank)[1:]
+        return memory.place(position, tile, not self.plan.positions[position].member_peak_bytes)
 
 
 def _finite(value):
