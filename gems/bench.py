@@ -62,7 +62,6 @@ from gems.obs.network import measure_network
 from gems.pipeline import schedule as sch
 from gems.pipeline import simulate
 from gems.pipeline.loss import SumLoss, batch_mean
-from gems.pipeline.tiled import check_spatial
 from gems.pipeline.topology import ranks_per_group
 from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, model_kwargs, opt,
                                tile_count)
@@ -122,7 +121,6 @@ class BenchConfig:
         self.schedule_list()
         split_mode(self.split_backward)
         P = self.tiles()
-        check_spatial(P, self.shard_optimizer, "micro-batch")   # what the engine refuses, before it starts
         model_kwargs(self.model_arg)
         for name in ("image_size", "batch_size", "steps", "num_classes"):
             if getattr(self, name) < 1:

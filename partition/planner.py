@@ -171,13 +171,14 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     allowed = kinds(recompute, offload, device, budget is not None)
 
     def job(tiles: Tiling | None) -> _Job:
-        """What every plan with this spatial part (None: none) shares: the profile and prices of the
-        rank that holds the most, a tile group's leader (``gems.partition.spatial``)."""
-        p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(sharers)
+        """What every plan with this spatial part (None: none) shares: the profile and prices of the rank
+        that holds the most, a tile group's leader, and of its other ranks (``gems.partition.spatial``)."""
+        share = [sharers * (tiles.tiles if tiles and shard_optimizer and tiles.tiled(u) else 1) for u in range(n)]
+        p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(share)
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
         def priced(q: ModelProfile) -> PolicyModel:
             return PolicyModel(q, device, *unit_seconds(q, rate, times), bandwidth, tiles.barriers if tiles else ())
-        member = priced(tiled_profile(prof, tiles, member=True)) if tiles else None   # a tile group's other ranks
+        member = priced(tiled_profile(prof, tiles, member=True).sharded(share)) if tiles else None
         return _Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
                     member)
 
@@ -289,16 +290,15 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
 
 
 class _Job:
-    """What every candidate plan shares: the profile, its policy prices, the request. ``room``:
-    the part of the budget left for tensors once ``overhead`` is counted."""
+    """What every candidate plan shares: the profile, its policy prices (``member``: of a tile group's
+    other ranks), the request. ``room``: the budget left for tensors once ``overhead`` is counted."""
 
     def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
                  shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
                  overhead: dict[str, int], amp: str, unit_times: Sequence[float] | None,
                  tiling: Tiling | None, member: PolicyModel | None = None) -> None:
-        self.prof, self.units, self.policies, self.name, self.shape = prof, units, policies, name, shape
-        self.member = member   # with tiles: the prices of a tile group's other ranks
-        self.batch_size, self.groups, self.budget, self.rate = batch_size, groups, budget, rate
+        self.prof, self.units, self.policies, self.member, self.name = prof, units, policies, member, name
+        self.shape, self.batch_size, self.groups, self.budget, self.rate = shape, batch_size, groups, budget, rate
         self.overhead, self.amp, self.unit_times, self.tiling = overhead, amp, unit_times, tiling
         self.room = None if budget is None else budget - sum(overhead.values())
         self.working = prof.working_matrix()

@@ -94,14 +94,16 @@ class ModelProfile:
     def __len__(self) -> int:
         return len(self.units)
 
-    def sharded(self, ranks: int) -> ModelProfile:
-        """This profile as each of ``ranks`` ranks holds it when they share the optimizer
-        (``--shard-optimizer``): every unit's optimizer state divided among them, rounded up. The
-        engine shares whole parameters, so a rank's run may exceed 1/ranks of a stage's state by
-        part of one parameter's; its parameter exchange reuses the gradient bucket (nothing added)."""
-        if ranks <= 1:
+    def sharded(self, ranks: int | Sequence[int]) -> ModelProfile:
+        """This profile as each of ``ranks`` ranks (per unit, or for all) holds it when they share the
+        optimizer (``--shard-optimizer``): every unit's optimizer state divided among them, rounded
+        up. The engine shares whole parameters, so a rank's run may exceed 1/ranks of a stage's
+        state by part of one parameter's; its parameter exchange reuses the gradient bucket."""
+        per_unit = [ranks] * len(self.units) if isinstance(ranks, int) else list(ranks)
+        if max(per_unit, default=1) <= 1:
             return self
-        return replace(self, units=[replace(u, optimizer_bytes=-(-u.optimizer_bytes // ranks)) for u in self.units])
+        return replace(self, units=[replace(u, optimizer_bytes=-(-u.optimizer_bytes // n))
+                                    for u, n in zip(self.units, per_unit)])
 
     def activation_bytes(self, lo: int, hi: int) -> int:
         """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""

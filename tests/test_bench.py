@@ -44,7 +44,6 @@ def test_default_micro_batches_hold_one_image():
     ({"spatial": "2", "stages": 2}, 6, r"3 ranks \(mp, gpipe, 1f1b\) and 4 ranks \(mast\).*multiple of 12 ranks"),
     ({"spatial": "2", "batch_size": 3}, 4, "does not split into 2 group"),
     ({"spatial": "auto"}, 2, "needs the tile count"),
-    ({"spatial": "2", "shard_optimizer": True}, 2, "cannot shard the optimizer"),
     ({"split_backward": "sometimes"}, 2, "split backward must be one of auto, on, off"),
 ])
 def test_bad_input_names_the_fix(kw, world, message):

@@ -142,6 +142,17 @@ def test_a_tile_groups_other_ranks_are_estimated_on_their_own():
     assert Plan.from_json(made.to_json()).positions[1].member_peak_bytes == last.member_peak_bytes
 
 
+def test_a_sharded_optimizer_shares_tiled_units_over_the_tiles_too():
+    """SGD with momentum, K = 1 on one tile group of 2 (no other copy): sharded, each rank keeps half
+    the tiled units' momentum and all of the untiled rest's."""
+    plain, sharded = (plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, optimizer="sgd",
+                           shard_optimizer=shard, **BASE) for shard in (False, True))
+    tiled = 4 * sum(p.numel() for u in list(graph_units(_unet(), (3, 64, 64), 1))[:14] for p in u.parameters())
+    saved = plain.positions[0].static_bytes - sharded.positions[0].static_bytes
+    assert tiled // 2 <= saved <= tiled // 2 + 14   # each unit's half rounded up
+    assert 0 < sharded.positions[0].member_peak_bytes < plain.positions[0].member_peak_bytes
+
+
 def test_recompute_cut_at_the_spatial_edges_is_never_worse_than_none(capsys):
     """Segments cut at a prefix's end and a suffix's start keep those boundaries, and may keep more
     than no policy: the planner then recomputes nothing there (it raised ValueError: the zoo U-Net

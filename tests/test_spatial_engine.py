@@ -60,11 +60,11 @@ def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
 
 
 def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
-          net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None):
+          net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None, shard: bool = False):
     torch.manual_seed(0)
     model = net() if net is _unet else net(CLASSES)
     plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
-                          split_backward=split, micro_batches=m, split_points=split_points)
+                          split_backward=split, micro_batches=m, split_points=split_points, shard_optimizer=shard)
     plan.spatial_grid = list(grid)
     plan.spatial_end = plan.cuts[1] if end is None else end
     plan.spatial_start = start
@@ -76,9 +76,9 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
            split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None,
-           made=None, batch_norm: str = "micro-batch"):
+           made=None, batch_norm: str = "micro-batch", shard: bool = False):
     model, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
-                                recompute)
+                                recompute, shard)
     world = ranks_per_group(K, schedule, plan.tiles, bool(plan.spatial_start)) * groups
     micro = plan.micro_batch_size
     copies = []
@@ -301,3 +301,27 @@ def test_deferred_batch_norm_with_a_spatial_part(K, schedule, batch, end):
     for r, (_, own) in enumerate(results):   # every copy, a member's tiled units too, as its leader's
         for key, v in own.items():
             assert torch.equal(v, leaders.setdefault(key, v)), (r, key)
+
+
+@pytest.mark.parametrize("K, schedule, batch, end, groups", [(1, "mp", 2, 12, 2), (2, "mast", 4, None, 1)])
+def test_a_sharded_optimizer_with_a_spatial_part(K, schedule, batch, end, groups):
+    """--shard-optimizer: each part of a tiled stage shares its optimizer over its own sync group --
+    the tiled units over every tile of every copy, the leader's untiled rest over the leaders -- and
+    equals one process: K = 1 with b2 untiled and two data-parallel groups (tiled units over 4
+    ranks, b2 over the 2 leaders), mast K = 2 (tiled units over 4 ranks, stage 1 over 2)."""
+    _check(_train(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True), batch, 36)
+    model, plan = _plan(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True)
+    world = ranks_per_group(K, schedule, plan.tiles) * groups
+    copies = [graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size) for _ in range(world)]
+    for units in copies:
+        for unit in units:
+            flatten(unit)
+
+    def owned(comm):   # the names of the parameters this rank's optimizer updates
+        engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
+                             loss_fn=nn.CrossEntropyLoss(), comm=comm)
+        mine = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+        return [n for m in engine.stages.values() for n, p in m.named_parameters() if id(p) in mine]
+
+    names = [n for ranks in loopback.run(world, owned, semantics="nccl", timeout=60.0) for n in ranks]
+    assert sorted(names) == sorted(n for n, _ in copies[0].named_parameters())   # each updated by one rank

@@ -147,7 +147,6 @@ BAD_INPUT = [
     (["--stages", "1", "--model-arg", "depth=3"], "does not accept depth"),
     (["--stages", "1", "--init-exclude", "fc.*"], "--init-exclude needs --init-from"),
     (["--stages", "1", "--init-from", "/nonexistent/w.pt"], "/nonexistent/w.pt does not exist"),
-    (["--stages", "1", "--spatial", "2", "--shard-optimizer"], "cannot shard the optimizer"),
     (["--stages", "1", "--enforce-memory-budget"], "--enforce-memory-budget needs --memory-budget (or a --plan made "
                                                    "with one)"),
     (["--stages", "1", "--model", "unet", "--model-arg", "width=4", "--model-arg", "depth=2"],

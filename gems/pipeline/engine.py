@@ -46,7 +46,7 @@ from gems.pipeline.p2p import PREFETCH, Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
-from gems.pipeline.tiled import NoMessages, check_spatial, member_actions, sync_parts, tile_groups, tiled_stage
+from gems.pipeline.tiled import NoMessages, member_actions, sync_parts, tile_groups, tiled_stage
 from gems.pipeline.topology import Topology
 
 
@@ -85,7 +85,6 @@ class Engine:
                  timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
         check_mode(batch_norm)
-        check_spatial(plan.tiles, plan.shard_optimizer, batch_norm)
         if not isinstance(model, GraphUnits):   # any nn.Module: the plan's chain of units
             model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
         if plan.cuts[-1] != len(model) or getattr(model, "unit_names", plan.unit_names) != plan.unit_names:
@@ -145,7 +144,7 @@ class Engine:
                                  self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile),
                                  self._cut)
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
-                                 key, extras, self.grads.group_comm if plan.shard_optimizer else None)
+                                 key, extras, self.grads.shard_groups if plan.shard_optimizer else None)
 
     @property
     def needs_images(self) -> bool:

@@ -58,10 +58,9 @@ class GradSync:
         made = {tuple(ranks): self.comm.group(ranks) for ranks in topology.sync_groups()}   # collective, one order
         self._parts = {(s, i): (module, made[tuple(ranks)] if len(ranks) > 1 else None, ranks[0])
                        for s in sorted(parts) for i, (module, ranks) in enumerate(parts[s])}
-        mine = {id(g) for _, g, _ in self._parts.values()}
-        # the one group all this rank's stages sync with (sharded optimizer); None if they sync with
-        # nobody, or with different groups (a tile group's leader: sharding is not offered there)
-        self.group_comm = next(iter(self._parts.values()))[1] if len(mine) == 1 else None
+        # the sync groups of this rank's parts, first seen first (a sharded optimizer's state is gathered
+        # over each in this order, the same on every rank): one without tiles, none for a lone copy
+        self.shard_groups = list({id(g): g for _, g, _ in self._parts.values() if g is not None}.values())
         self._make_identical()
         # BatchNorm layers by the group their part syncs over (first seen first: the same order on every
         # rank); a tiled part's deferred sums are added over every tile, the rest over the leaders
@@ -89,8 +88,7 @@ class GradSync:
         # gradients being accumulated, failing autograd's in-place check.
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._offsets: dict[int, int] = {}   # id(parameter) -> where its gradient starts in the bucket
-        self._stage_params = {s: [p for (t, _), ps in params.items() if t == s for p in ps]
-                              for s in stages}   # per stage, in bucket order
+        self._part_params = params   # per (stage, part), in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
             segment = self.bucket[offset:offset + n_grad + n_stats]
@@ -106,9 +104,9 @@ class GradSync:
         self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
-        # sharded: per stage, its flat parameter buffer and where each member's run starts in it (and in the
-        # stage's gradients, laid out alike)
-        self._runs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        # sharded: per (stage, part), its flat parameter buffer and where each member's run starts in it (and
+        # in the part's gradients, laid out alike)
+        self._runs: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
         self._reduces: list[tuple[int, object]] = []   # (stage, request) started this step
         self._scalars = torch.zeros(2, dtype=torch.float64, device=device)  # loss, grad norm^2
         self.last_grad_norm: float | None = None
@@ -128,21 +126,24 @@ class GradSync:
         new values arrive after each step (``apply``). Sharded, a stage's parameters become views
         of one flat buffer laid out as their gradients are in the bucket (the Parameter objects
         stay), so that exchange is one allgather per stage, with no copies."""
-        if not shard or self.group_comm is None:
+        if not shard or not self.shard_groups:
             return [p for s in self.stages.values() for p in s.parameters()]
-        n, me = self.group_comm.size, self.group_comm.rank
         owned: list[nn.Parameter] = []
-        for stage, mine in self._stage_params.items():
-            bounds = _share(mine, n)
-            owned += mine[bounds[me]:bounds[me + 1]]
-            if mine:   # the stage's gradients are contiguous; member k's run of whole parameters a piece of them
+        for key, mine in self._part_params.items():   # each part over its own sync group (a tiled one: every tile)
+            group = self._parts[key][1]
+            if group is None:   # no other copy
+                owned += mine
+                continue
+            bounds = _share(mine, group.size)
+            owned += mine[bounds[group.rank]:bounds[group.rank + 1]]
+            if mine:   # the part's gradients are contiguous; member k's run of whole parameters a piece of them
                 lo = self._offsets[id(mine[0])]
                 hi = self._offsets[id(mine[-1])] + mine[-1].numel()
-                self._runs[stage] = (self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
-                                                                   else hi - lo for b in bounds])
+                self._runs[key] = (self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
+                                                                 else hi - lo for b in bounds])
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
-                            f"among {n} ranks: train without --shard-optimizer")
+                            f"among {max(g.size for g in self.shard_groups)} ranks: train without --shard-optimizer")
         self._owned = {id(p) for p in owned}
         return owned
 
@@ -158,9 +159,11 @@ class GradSync:
         return flat
 
     def _share_params(self) -> None:
-        """Every member's updated parameters to every member: one allgather per stage of its flat
-        parameter buffer, each member's run from its owner (half an allreduce's traffic)."""
-        requests = [self.comm.iallgather_runs(flat, bounds, self.group_comm) for flat, bounds in self._runs.values()]
+        """Every member's updated parameters to every member: one allgather per part of its flat
+        parameter buffer over the part's sync group, each member's run from its owner (half an
+        allreduce's traffic)."""
+        requests = [self.comm.iallgather_runs(flat, bounds, self._parts[key][1])
+                    for key, (flat, bounds) in self._runs.items()]
         for req in requests:
             self.comm.wait(req, "the parameter exchange")
 
@@ -213,10 +216,10 @@ class GradSync:
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
         group = self._parts[key][1]
-        if key[0] not in self._runs:
+        if key not in self._runs:
             return self.comm.iallreduce(segment, group)
         # sharded: each member needs the sums of its own run of gradients only
-        requests = [self.comm.ireduce_scatter_runs(grads, self._runs[key[0]][1], group)]
+        requests = [self.comm.ireduce_scatter_runs(grads, self._runs[key][1], group)]
         requests += [self.comm.iallreduce(copy, group)] if buffers else []
         return all_of(requests, requests[0].describe)
 

@@ -29,7 +29,7 @@ class StageState:
         self.copy_holder, self._order = copy_holder, {k: i for i, k in enumerate(model_keys)}
         self.key = key              # a stage's state-dict key -> the model's (gems.graph.GraphUnits)
         self.extras = extras or {}  # model state no unit uses (e.g. an unused head): kept as loaded
-        self.shards = shards        # the sync group sharing the optimizer (None: this rank's holds all)
+        self.shards = shards        # the sync groups sharing the optimizer, in one order (None: this rank's holds all)
 
     def _own(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """A stage's state, keyed by the model's names (a tensor two units share appears once)."""
@@ -61,8 +61,8 @@ class StageState:
         extras = self.extras if stage == 0 else {}   # stage 0's shard carries them
         state = {names[i]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
                  for i, st in opt["state"].items()}
-        if self.shards is not None:   # every member's share of every stage the group holds
-            state = {n: st for part in self.comm.allgather_object(state, self.shards) for n, st in part.items()}
+        for group in self.shards or ():   # every member's share of every stage the group holds, group by group
+            state = {n: st for part in self.comm.allgather_object(state, group) for n, st in part.items()}
         return {
             "model": {k: v.detach().cpu().clone() for k, v in {**extras, **self._own(module)}.items()},
             "optimizer": {n: st for n, st in state.items() if n in own},

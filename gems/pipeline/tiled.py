@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gems.errors import GemsError
 from gems.pipeline import ir
 from gems.pipeline.topology import Topology
 from gems.spatial import TiledUnit, TileGroup, tile_stage
@@ -31,15 +30,6 @@ class NoMessages:
 
     def finish_sends(self) -> None:
         pass
-
-
-def check_spatial(tiles: int, shard_optimizer: bool, batch_norm: str) -> None:
-    """GemsError for what a spatial part (tile groups of ``tiles`` ranks; 1: none) does not combine with yet."""
-    if tiles == 1:
-        return
-    if shard_optimizer:
-        raise GemsError("a plan with a spatial part cannot shard the optimizer (its stages sync over different "
-                        "groups): train without --shard-optimizer")
 
 
 def tile_groups(comm, topology: Topology, grid: list[int]) -> TileGroup | None:

@@ -183,9 +183,7 @@ class TrainConfig:
             raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
         from gems.partition.backward import split_mode  # noqa: PLC0415 - the planner's parser, once
         split_mode(self.split_backward)
-        if self.spatial is not None:
-            from gems.pipeline.tiled import check_spatial  # noqa: PLC0415 - what the engine refuses, before it starts
-            check_spatial(self.tiles(), self.shard_optimizer, self.batch_norm)
+        self.tiles()   # P or RxC
         if self.steps is not None and self.epochs is not None:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
