@@ -67,7 +67,8 @@ class GradSync:
         by_group: dict[int, tuple[object, list[nn.Module]]] = {}
         for module, group, _ in self._parts.values():
             by_group.setdefault(id(group), (group, []))[1].append(module)
-        self.batch_norms = [(group, BatchNorms(modules, batch_norm, device)) for group, modules in by_group.values()]
+        self.batch_norms = [(group, BatchNorms(modules, batch_norm, device))   # (sync group, its layers' mode)
+                            for group, modules in by_group.values()]
         kept = {id(b) for _, norms in self.batch_norms for b in norms.kept_buffers}
         params = {k: [p for p in m.parameters() if p.requires_grad] for k, (m, _, _) in self._parts.items()}
         stats = {k: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
@@ -121,11 +122,12 @@ class GradSync:
 
     def optimized(self, shard: bool) -> list[nn.Parameter]:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
-        each stage's -- whole parameters, contiguous in the bucket, about 1/n of the elements for
-        each of the n members of the sync group (the same split on every member); the others'
-        new values arrive after each step (``apply``). Sharded, a stage's parameters become views
-        of one flat buffer laid out as their gradients are in the bucket (the Parameter objects
-        stay), so that exchange is one allgather per stage, with no copies."""
+        each part's (a stage, or a tiled stage's tiled units and untiled rest) -- whole parameters,
+        contiguous in the bucket, about 1/n of the elements for each of the n members of the part's
+        sync group (the same split on every member); the others' new values arrive after each step
+        (``apply``). Sharded, a part's parameters become views of one flat buffer laid out as their
+        gradients are in the bucket (the Parameter objects stay), so that exchange is one allgather
+        per part, with no copies."""
         if not shard or not self.shard_groups:
             return [p for s in self.stages.values() for p in s.parameters()]
         owned: list[nn.Parameter] = []
