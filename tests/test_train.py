@@ -275,3 +275,24 @@ def test_a_plan_with_a_suffix_under_a_one_replica_pipeline_sets_the_world(tmp_pa
         prepare(3, *one, "--plan", str(plan))
     mast = prepare(4, "--batch-size", "2", "--stages", "2", "--schedule", "mast")
     assert mast.plan.spatial_start and mast.topo.stages_of(3) == [0, 1]
+
+
+def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
+    """gems-train --spatial auto on 2 ranks (in process, no communication): one image per step tiles
+    it on both ranks; two images go to two data-parallel groups, no tiles; a budget nothing meets is
+    one sentence naming what each tile count lacked."""
+    from gems.train import trainer  # noqa: PLC0415
+    from gems.cli.train import parse as parse_train  # noqa: PLC0415
+    import gems  # noqa: PLC0415
+
+    def prepare(*args):
+        comm = types.SimpleNamespace(size=2, rank=1, device=torch.device("cpu"))
+        return trainer.prepare(parse_train(["--model", "resnet18", "--image-size", "64", "--workers", "0", "--stages",
+                                            "1", "--schedule", "mp", "--spatial", "auto", *args]), comm)
+
+    one = prepare("--batch-size", "1")
+    assert (one.plan.tiles, one.topo.groups, one.topo.place(1)) == (2, 1, (0, 0, 1))
+    two = prepare("--batch-size", "2")
+    assert (two.plan.tiles, two.topo.groups, two.cfg.spatial) == (1, 2, None)
+    with pytest.raises(gems.GemsError, match=r"P = 1: no number of stages fits .*; P = 2: a rank needs .*: launch more"):
+        prepare("--batch-size", "2", "--memory-budget", "20MiB")

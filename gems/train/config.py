@@ -98,7 +98,8 @@ class TrainConfig:
                               negative="off")
     shard_optimizer: bool = opt(False, "each rank of a sync group (mirror pair x groups) updates a share of "
                                        "the parameters and keeps only their optimizer state")
-    spatial: str | None = opt(None, SPATIAL_HELP)
+    spatial: str | None = opt(None, SPATIAL_HELP + "; auto: the fewest P (none first) with which the launched ranks "
+                                                    "split the batch and the plan fits --memory-budget")
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start: its cuts, "
                                  "memory policies, split backward and spatial part stand, whatever the planning "
                                  "flags say")
@@ -183,7 +184,8 @@ class TrainConfig:
             raise GemsError(f"--seed must fit in 64 bits (-2**63 to 2**63-1), got {self.seed}")
         from gems.partition.backward import split_mode  # noqa: PLC0415 - the planner's parser, once
         split_mode(self.split_backward)
-        self.tiles()   # P or RxC
+        if self.spatial != "auto":   # gems-train's auto is resolved on the launched ranks (gems.train.planning)
+            self.tiles()   # P or RxC
         if self.steps is not None and self.epochs is not None:
             raise GemsError("give either --steps or --epochs, not both")
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from gems import models, partition
-from gems.graph import graph_units
 from gems.obs import memory
 from gems.train import checkpoint
 from gems.pipeline import schedule as sch
@@ -26,79 +25,18 @@ from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData, start_worker_server
 from gems.train.losses import make_loss
 from gems.train.optim import learning_rate, make_optimizer
+from gems.train.planning import auto_tiles, check_task, make_plan
 from gems.train.validation import Validation
 from gems.errors import GemsError
 from gems.train.progress import Progress
 from gems.pipeline.topology import Topology
 from gems.obs.trace import Recorder
-from gems.units import format_size, parse_size
+from gems.units import format_size
 
 if TYPE_CHECKING:
     from gems.pipeline.engine import Engine
 
 PREEMPTED = 3
-
-
-def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu",
-              loaded: partition.Plan | None = None):
-    """The plan to train: ``loaded`` (``--plan``, read already) once checked against ``cfg`` and the
-    model, else the planner's."""
-    if cfg.plan:
-        plan = loaded or partition.Plan.from_json(cfg.plan)
-        wanted = {"stages": cfg.stages, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
-                  "batch_size": cfg.batch_size}
-        for key, value in wanted.items():
-            if getattr(plan, key) != value:
-                raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
-                                f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
-                                "or make a new plan")
-        if plan.tiles != cfg.tiles():
-            raise GemsError(f"{cfg.plan} was made for tile groups of {plan.tiles} rank(s), not {cfg.tiles()}: pass "
-                            f"--spatial {'x'.join(map(str, plan.spatial_grid)) or 1} or make a new plan")
-        if tuple(plan.input_shape) != (3, cfg.image_size, cfg.image_size):
-            raise GemsError(f"{cfg.plan} was made for inputs of {'x'.join(map(str, plan.input_shape))}, not "
-                            f"3x{cfg.image_size}x{cfg.image_size}: pass the --image-size it was made for "
-                            "or make a new plan")
-        leaves = plan.leaf_modules
-        if not (isinstance(leaves, list) and all(isinstance(name, str) for name in leaves)):
-            raise GemsError(f"{cfg.plan} names leaf modules {leaves!r}, not a list of module names: make a new plan")
-        # the units the engine runs: the model traced as gems-plan traced it, at this run's micro-batch
-        micro = max(1, cfg.batch_size // (groups * sch.replicas(cfg.schedule) * cfg.micro_batches))
-        names = graph_units(model, (3, cfg.image_size, cfg.image_size), micro, leaves).unit_names
-        if plan.unit_names != names:
-            raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
-                            f"{cfg.model} has {_names(names)}: make the plan for this model")
-        return plan
-    balance = None
-    if cfg.balance:
-        try:
-            balance = [int(x) for x in cfg.balance.split(",")]
-        except ValueError:
-            raise GemsError(f"--balance takes comma-separated unit counts like 3,5,4, got {cfg.balance!r}") from None
-    return partition.plan(model, input_shape=(3, cfg.image_size, cfg.image_size), batch_size=cfg.batch_size,
-                          stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-                          balance_by=cfg.balance_by, balance=balance, optimizer=cfg.optimizer,
-                          memory_budget=parse_size(cfg.memory_budget) if cfg.memory_budget else None,
-                          groups=groups, model_name=cfg.model, recompute=cfg.recompute, offload=cfg.offload,
-                          device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
-                          split_points=cfg.split_points.split(",") if cfg.split_points else None,
-                          split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
-                          spatial=cfg.spatial)
-
-
-def check_task(task: str, output: list[int], model: str) -> None:
-    """GemsError when the model's output (per image, from the plan) does not suit ``task``."""
-    if task == "classification" and len(output) == 3 and min(output[1:]) > 1:
-        raise GemsError(f"{model} outputs {'x'.join(map(str, output))} scores per image (a class per pixel): pass "
-                        "--task segmentation (masks as labels), or train a model with one score per class")
-    if task == "segmentation" and len(output) != 3:
-        raise GemsError(f"{model} outputs {'x'.join(map(str, output))} scores per image, not a class per pixel: "
-                        "pass --task classification, or train a segmentation model")
-
-
-def _names(names: list[str]) -> str:
-    """"3 units (0..2)" for messages."""
-    return f"{len(names)} units ({names[0]}..{names[-1]})" if names else "no units"
 
 
 def split_line(cfg: TrainConfig, topo: Topology) -> str:
@@ -208,27 +146,33 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     cfg.validate()
     # --plan read first: a tiled suffix under a one-replica pipeline makes its last position a tile group
     loaded = partition.Plan.from_json(cfg.plan) if cfg.plan else None
+    chosen = None   # --spatial auto's plan
+    if cfg.spatial == "auto":
+        if loaded is not None:   # the plan's own spatial part
+            cfg.spatial = "x".join(map(str, loaded.spatial_grid)) or None
+        else:   # the class count first: it sizes the model's head
+            classes = _data(cfg, 1, 0, False, False).num_classes
+            cfg.spatial, chosen = auto_tiles(cfg, comm.size, _model(cfg, classes), comm.device.type)
+            if comm.rank == 0:
+                said = f"tile groups of {chosen.tiles} ranks" if cfg.spatial else "no spatial part"
+                print(f"gems-train: --spatial auto: {said} ({chosen.groups} group(s) on {comm.size} ranks)", flush=True)
     topo = Topology(comm.size, cfg.stages, cfg.schedule, cfg.tiles(), bool(loaded and loaded.spatial_start))
     check_split(cfg, topo)
     check_validation_split(cfg, topo)
     group, position, tile = topo.place(comm.rank)
     held = topo.stages_of(comm.rank)   # a tile group's member: stage 0 (it reads images, never labels)
     labels = cfg.stages - 1 in held and not tile
-    data = TrainData(cfg.data, cfg.image_size, cfg.batch_size, topo.groups, group, task=cfg.task,
-                     num_classes=cfg.num_classes,
-                     ignore_index=cfg.ignore_index, binary_masks=cfg.binary_masks, augment=cfg.augment,
-                     seed=cfg.seed, workers=cfg.workers, need_images=0 in held, need_labels=labels)
+    data = _data(cfg, topo.groups, group, 0 in held, labels)
     if cfg.workers and 0 in held:
         start_worker_server()
     loss = make_loss(cfg.task, cfg.loss or "cross-entropy", data.num_classes, class_weights=cfg.weights(),
                      label_smoothing=cfg.label_smoothing)
     validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, labels,
                              comm.rank == 0) if cfg.val_data else None)
-    torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, num_classes=output_channels(cfg, data.num_classes), **model_kwargs(cfg.model_arg))
+    model = _model(cfg, data.num_classes)
     if cfg.init_from:   # every rank reads the same file, so all start from the same weights
         models.load_initial_state(model, cfg.init_from, cfg.init_exclude)
-    plan = make_plan(cfg, model, topo.groups, comm.device.type, loaded)
+    plan = chosen or make_plan(cfg, model, topo.groups, comm.device.type, loaded)
     # the planner may tile a suffix (one stage or mast: the same ranks, whose members then hold the last stage)
     topo = Topology.of(plan, comm.size)
     check_task(cfg.task, plan.stage_output_shapes[-1][0], cfg.model)
@@ -274,6 +218,18 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
             units = range(min(plan.cuts[s] for s in mine), max(plan.cuts[s + 1] for s in mine))
             resume_state = checkpoint.load_stages(resume_from, units)
     return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state, loss, validation)
+
+
+def _data(cfg: TrainConfig, groups: int, group: int, images: bool, labels: bool) -> TrainData:
+    return TrainData(cfg.data, cfg.image_size, cfg.batch_size, groups, group, task=cfg.task,
+                     num_classes=cfg.num_classes, ignore_index=cfg.ignore_index, binary_masks=cfg.binary_masks,
+                     augment=cfg.augment, seed=cfg.seed, workers=cfg.workers, need_images=images, need_labels=labels)
+
+
+def _model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """The model as every rank builds it: the same seed, so the same weights."""
+    torch.manual_seed(cfg.seed)
+    return models.build(cfg.model, num_classes=output_channels(cfg, num_classes), **model_kwargs(cfg.model_arg))
 
 
 def output_channels(cfg: TrainConfig, num_classes: int) -> int:
