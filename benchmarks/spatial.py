@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--spin", action="store_true", help="waits poll without sleeping (a core per rank)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="the spatial run's tiles share the optimizer step (reduce-scatter, half the update each)")
     args = p.parse_args()
     comm = comm_lib.create("mpi", backoff=comm_lib.Backoff(0, 0) if args.spin else comm_lib.Backoff())
     torch.set_num_threads(1)
@@ -69,6 +71,7 @@ def main() -> None:
     plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=1, schedule="mp", device="cpu")
     plan.spatial_grid = [rows, cols]
     plan.spatial_end = next(i for i, n in enumerate(plan.unit_names) if "avgpool" in n or n == "head")
+    plan.shard_optimizer = args.shard_optimizer
     plan.check()
     engine = gems.Engine(copy.deepcopy(model), plan, optimizer=sgd, loss_fn=loss_fn, comm=comm)
     t_spatial = _steps(lambda: engine.step(x, y), args.steps, args.warmup, comm)
@@ -79,7 +82,7 @@ def main() -> None:
     if comm.rank == 0:
         print(f"{args.model} {S}x{S}, batch {B}, median of {args.steps} steps (after {args.warmup}):")
         print(f"  one rank          {t_one * 1e3:9.1f} ms")
-        print(f"  spatial {rows}x{cols} (2 ranks) {t_spatial * 1e3:9.1f} ms   {t_one / t_spatial:5.2f}x one rank   "
+        print(f"  spatial {rows}x{cols} (2 ranks{', sharded' if args.shard_optimizer else ''}) {t_spatial * 1e3:9.1f} ms   {t_one / t_spatial:5.2f}x one rank   "
               f"{t_mp / t_spatial:5.2f}x mp")
         print(f"  mp K=2 (2 ranks)  {t_mp * 1e3:9.1f} ms   {t_one / t_mp:5.2f}x one rank")
 
