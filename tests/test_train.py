@@ -278,8 +278,8 @@ def test_a_plan_with_a_suffix_under_a_one_replica_pipeline_sets_the_world(tmp_pa
 
 
 def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
-    """gems-train --spatial auto on 2 ranks (in process, no communication): one image per step tiles
-    it on both ranks; two images go to two data-parallel groups, no tiles; a budget nothing meets is
+    """gems-train --spatial auto on 2 ranks (in process, no communication; gems-predict's takes the same
+    layouts): one image per step tiles it on both ranks; two images go to two data-parallel groups, no tiles; a budget nothing meets is
     one sentence naming what each tile count lacked."""
     from gems.train import trainer  # noqa: PLC0415
     from gems.cli.train import parse as parse_train  # noqa: PLC0415
@@ -290,6 +290,9 @@ def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
         return trainer.prepare(parse_train(["--model", "resnet18", "--image-size", "64", "--workers", "0", "--stages",
                                             "1", "--schedule", "mp", "--spatial", "auto", *args]), comm)
 
+    from gems.train.planning import layouts  # noqa: PLC0415
+    # (P, D, batch parts): mast K = 2 on 4 ranks is 2 groups of 2, or one of 2 tile groups of 2
+    assert list(layouts(4, 2, "mast", 1)) == [(1, 2, 4), (2, 1, 2)]
     one = prepare("--batch-size", "1")
     assert (one.plan.tiles, one.topo.groups, one.topo.place(1)) == (2, 1, (0, 0, 1))
     two = prepare("--batch-size", "2")

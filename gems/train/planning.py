@@ -9,6 +9,8 @@ batch, e.g. one image per step on many ranks.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
 
 from gems import partition
@@ -67,16 +69,20 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           spatial=spatial or cfg.spatial)
 
 
+def layouts(world: int, stages: int, schedule: str, micro_batches: int) -> Iterator[tuple[int, int, int]]:
+    """(P, groups D, batch parts D x replicas x micro-batches) of every tile count P, 1 first, whose
+    groups ``world`` ranks form."""
+    for P in range(1, world + 1):
+        size = ranks_per_group(stages, schedule, P)
+        if world % size == 0:
+            yield P, world // size, world // size * sch.replicas(schedule) * micro_batches
+
+
 def auto_tiles(cfg: TrainConfig, world: int, model: nn.Module, device: str) -> tuple[str | None, partition.Plan]:
     """``--spatial auto`` on ``world`` ranks: the ``--spatial`` value to take (None: no spatial part)
     and its plan (module docstring); GemsError naming what each tile count lacked when none fits."""
     lacks = []
-    for P in range(1, world + 1):
-        size = ranks_per_group(cfg.stages, cfg.schedule, P)
-        if world % size:
-            continue
-        groups = world // size
-        parts = groups * sch.replicas(cfg.schedule) * cfg.micro_batches
+    for P, groups, parts in layouts(world, cfg.stages, cfg.schedule, cfg.micro_batches):
         if cfg.batch_size % parts:
             lacks.append(f"P = {P}: batch {cfg.batch_size} does not split into {parts}")
             continue

@@ -33,6 +33,7 @@ from gems.pipeline.topology import Topology
 from gems.train import checkpoint, images, outputs, regions, windows
 from gems.train.config import model_kwargs, opt, tile_count
 from gems.train.data import PredictImages
+from gems.train.planning import layouts
 
 
 @dataclass
@@ -46,7 +47,8 @@ class PredictConfig:
     micro_batches: int = opt(1, "micro-batches per replica per forward step")
     batch_size: int = opt(2, "images (or windows) per forward step over all ranks")
     spatial: str | None = opt(None, "split each image of stage 0's first units across P ranks (a number, or a "
-                                    "RxC grid), as gems-train --spatial")
+                                    "RxC grid), as gems-train --spatial; auto: the fewest P (none first) with "
+                                    "which the launched ranks split the batch")
     overlap: int | None = opt(None, "segmentation: pixels by which neighbouring windows of a large image overlap "
                               "(default: an eighth of the plan's image size)")
     probabilities: bool = opt(False, "segmentation: also write class probabilities as OUT/NAME.tif")
@@ -60,7 +62,8 @@ class PredictConfig:
             raise GemsError("give --checkpoint-dir (the training run's) or --checkpoint")
         if not self.data or not self.out:
             raise GemsError("give --data (the images to predict) and --out (where the outputs go)")
-        tile_count(self.spatial, "gems-predict")
+        if self.spatial != "auto":   # auto: resolved on the launched ranks (prepare)
+            tile_count(self.spatial, "gems-predict")
 
 
 @dataclass
@@ -104,6 +107,10 @@ def prepare(cfg, comm) -> PredictJob:
         cfg.overlap = size // 8
     if not 0 <= cfg.overlap < size:
         raise GemsError(f"--overlap must be at least 0 and less than the image size {size}, got {cfg.overlap}")
+    if cfg.spatial == "auto":   # the fewest tile ranks with which the launched ranks split the batch
+        P = next((P for P, _, parts in layouts(comm.size, cfg.stages, cfg.schedule, cfg.micro_batches)
+                  if cfg.batch_size % parts == 0), 1)   # none: the split's own message below
+        cfg.spatial = str(P) if P > 1 else None
     topo = Topology(comm.size, cfg.stages, cfg.schedule, tile_count(cfg.spatial, "gems-predict"))
     parts = topo.groups * sch.replicas(cfg.schedule) * cfg.micro_batches
     if cfg.batch_size % parts:
