@@ -14,7 +14,7 @@ setup(
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "matplotlib",
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "matplotlib",
                  "timm", "segmentation-models-pytorch", "safetensors", "tensorboard"],
         # --model timm:NAME / smp:ARCH:ENCODER, and --init-from FILE.safetensors
         "models": ["timm", "segmentation-models-pytorch", "safetensors"],

@@ -159,5 +159,23 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# `make test` runs two pytest workers, each given whole files in turn (pytest-xdist --dist loadfile
+# --no-loadscope-reorder). The longest files (launches, mostly) start first, so that neither worker is
+# left running one of them alone at the end; the rest follow in collection order. Longest first:
+LONGEST_FILES = ("test_faults.py", "test_train.py", "test_spatial_engine.py", "test_checkpoint_safety.py",
+                 "test_tasks.py", "test_partition_spatial.py", "test_out_of_core.py", "test_any_model.py",
+                 "test_equivalence.py", "test_comm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        first = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file keeps its order
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; run by `make gpu-check` (skipped without a GPU)")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers share the cores, one intra-op thread each
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)

@@ -104,7 +104,11 @@ def test_batchnorm_with_policies(policy, monkeypatch):
     run_loopback("batchnorm", "mast", 2, 2, 2, steps=2, policy=policy)
 
 
-@pytest.mark.parametrize("schedule,K,m,D", params(layouts(Ks=(2,), Ds=(1,)) + [("mast", 3, 1, 1), ("1f1b", 3, 2, 2)]))
+# Tuple boundaries in every schedule, m = 1 and 2, K = 3, D = 2; the other layouts are the matrix's.
+TUPLE_LAYOUTS = [("mp", 2, 1, 1), ("gpipe", 2, 2, 1), ("mast", 2, 2, 1), ("mast", 3, 1, 1), ("1f1b", 3, 2, 2)]
+
+
+@pytest.mark.parametrize("schedule,K,m,D", params(TUPLE_LAYOUTS))
 def test_tuple_boundaries_amoebanet(schedule, K, m, D):
     run_loopback("tuples", schedule, K, m, D, steps=2)
 

@@ -236,7 +236,9 @@ def launch(ranks: int, args: list[str], metrics: Path, fault: str | None = None,
         out, err = proc.communicate()
         err += f"\n(test: still running after {LAUNCH_LIMIT}s, killed)"
     result = Launch(proc.returncode, out, err, ended=time.time())
-    deadline = time.monotonic() + 15  # the launcher may still be reaping ranks; data workers poll their parent every 5 s
+    # The launcher may still be reaping ranks; data workers poll their parent every 5 s, then exit, which
+    # on loaded cores (the lanes, a second pytest worker) takes a while: wait up to a minute for them.
+    deadline = time.monotonic() + 60
     while (left := _tagged(token)) and time.monotonic() < deadline:
         time.sleep(0.2)
     result.leftovers = [f"{pid} {_command(pid)}" for pid in left]
