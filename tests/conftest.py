@@ -162,7 +162,7 @@ def one_torch_thread():
 # `make test` runs two pytest workers, each given whole files in turn (pytest-xdist --dist loadfile
 # --no-loadscope-reorder). The longest files (launches, mostly) start first, so that neither worker is
 # left running one of them alone at the end; the rest follow in collection order. Longest first:
-LONGEST_FILES = ("test_faults.py", "test_train.py", "test_spatial_engine.py", "test_checkpoint_safety.py",
+LONGEST_FILES = ("test_train.py", "test_spatial_engine.py", "test_checkpoint_safety.py",
                  "test_tasks.py", "test_partition_spatial.py", "test_out_of_core.py", "test_any_model.py",
                  "test_equivalence.py", "test_comm.py")
 
