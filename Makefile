@@ -27,11 +27,13 @@ train: install
 
 # Two pytest workers (pytest-xdist), whole test files to a worker, so both cores stay busy while a
 # test waits on a launch; tests/conftest.py orders the files (the longest first) and gives each worker
-# one torch thread. tests/test_faults.py runs after them on its own: its killed launches must leave no
-# process behind within a minute, which a second worker's load has made them miss.
+# one torch thread. tests/test_faults.py and tests/test_slurm.py run after them on their own: their
+# timings (a killed launch's processes gone within a minute, a Slurm job signalled while it trains)
+# have been missed under a second worker's load.
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --ignore tests/test_faults.py tests
-	$(PY) -m pytest -q tests/test_faults.py
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --ignore tests/test_faults.py \
+	    --ignore tests/test_slurm.py tests
+	$(PY) -m pytest -q tests/test_faults.py tests/test_slurm.py
 
 # The GPU acceptance run, for a GPU machine without network: the Python found there (its own
 # torch, 2.11 or later, mpi4py, pytest), nothing installed from an index. WHEELS=DIR installs the
