@@ -279,7 +279,8 @@ def test_a_plan_with_a_suffix_under_a_one_replica_pipeline_sets_the_world(tmp_pa
 
 def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
     """gems-train --spatial auto on 2 ranks (in process, no communication; gems-predict's takes the same
-    layouts): one image per step tiles it on both ranks; two images go to two data-parallel groups, no tiles; a budget nothing meets is
+    layouts): one image per step tiles it on both ranks; two images go to two data-parallel groups, no
+    tiles, unless the budget needs the tiles; a budget nothing meets is
     one sentence naming what each tile count lacked."""
     from gems.train import trainer  # noqa: PLC0415
     from gems.cli.train import parse as parse_train  # noqa: PLC0415
@@ -297,5 +298,9 @@ def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
     assert (one.plan.tiles, one.topo.groups, one.topo.place(1)) == (2, 1, (0, 0, 1))
     two = prepare("--batch-size", "2")
     assert (two.plan.tiles, two.topo.groups, two.cfg.spatial) == (1, 2, None)
+    # 2 groups of 1 rank miss 140 MiB (~148 MiB); one tile group of 2 meets it (~139 MiB). The plan
+    # for P = 1 has no tiles: the planner's own auto would have tiled it on ranks that are not there.
+    tight = prepare("--batch-size", "2", "--memory-budget", "140MiB")
+    assert (tight.plan.tiles, tight.topo.tiles, tight.topo.groups) == (2, 2, 1)
     with pytest.raises(gems.GemsError, match=r"P = 1: no number of stages fits .*; P = 2: a rank needs .*: launch more"):
         prepare("--batch-size", "2", "--memory-budget", "20MiB")

@@ -10,6 +10,7 @@ batch, e.g. one image per step on many ranks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 from torch import nn
 
@@ -23,9 +24,9 @@ from gems.units import format_size, parse_size
 
 
 def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str = "cpu",
-              loaded: partition.Plan | None = None, spatial: str | None = None):
+              loaded: partition.Plan | None = None):
     """The plan to train: ``loaded`` (``--plan``, read already) once checked against ``cfg`` and the
-    model, else the planner's (``spatial``: instead of ``cfg.spatial``)."""
+    model, else the planner's."""
     if cfg.plan:
         plan = loaded or partition.Plan.from_json(cfg.plan)
         wanted = {"stages": cfg.stages, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
@@ -66,7 +67,7 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
-                          spatial=spatial or cfg.spatial)
+                          spatial=cfg.spatial)
 
 
 def layouts(world: int, stages: int, schedule: str, micro_batches: int) -> Iterator[tuple[int, int, int]]:
@@ -87,7 +88,8 @@ def auto_tiles(cfg: TrainConfig, world: int, model: nn.Module, device: str) -> t
             lacks.append(f"P = {P}: batch {cfg.batch_size} does not split into {parts}")
             continue
         try:
-            plan = make_plan(cfg, model, groups, device, spatial=str(P) if P > 1 else None)
+            # exactly P: the planner's own auto would tile where this P is 1
+            plan = make_plan(replace(cfg, spatial=str(P) if P > 1 else None), model, groups, device)
         except GemsError as error:
             lacks.append(f"P = {P}: {str(error).rstrip('.')}")
             continue
