@@ -82,8 +82,9 @@ def main() -> None:
     if comm.rank == 0:
         print(f"{args.model} {S}x{S}, batch {B}, median of {args.steps} steps (after {args.warmup}):")
         print(f"  one rank          {t_one * 1e3:9.1f} ms")
-        print(f"  spatial {rows}x{cols} (2 ranks{', sharded' if args.shard_optimizer else ''}) {t_spatial * 1e3:9.1f} ms   {t_one / t_spatial:5.2f}x one rank   "
-              f"{t_mp / t_spatial:5.2f}x mp")
+        sharded = ", sharded" if args.shard_optimizer else ""
+        print(f"  spatial {rows}x{cols} (2 ranks{sharded}) {t_spatial * 1e3:9.1f} ms   "
+              f"{t_one / t_spatial:5.2f}x one rank   {t_mp / t_spatial:5.2f}x mp")
         print(f"  mp K=2 (2 ranks)  {t_mp * 1e3:9.1f} ms   {t_one / t_mp:5.2f}x one rank")
 
 

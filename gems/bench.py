@@ -326,7 +326,8 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         spatial_grid=list(plan.spatial_grid), spatial_end=plan.spatial_end, split_backward=plan.split_backward,
         placement=placement,
         step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
-        peak_memory=[g[2] for g in gathered], plan_memory=[memory.rank_estimate(plan.positions[p], t) for _, p, t in placement],
+        peak_memory=[g[2] for g in gathered],
+        plan_memory=[memory.rank_estimate(plan.positions[p], t) for _, p, t in placement],
         stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted)
 
 

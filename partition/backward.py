@@ -44,10 +44,10 @@ def split_mode(value: bool | str | None) -> bool | None:
                     f"got {value!r}")
 
 
-def predicted_step(plan: Plan) -> float:
+def predicted_step(plan: Plan, costs=None) -> float:
     """Seconds of one step of ``plan`` as ``Plan.step_seconds`` predicts it: its stage costs at
-    its sustained rate, every policy and spatial part counted, the network free."""
-    costs = costs_from_plan(plan, plan.flops_per_second, 1.0)
+    its sustained rate (or ``costs``), every policy and spatial part counted, the network free."""
+    costs = costs_from_plan(plan, plan.flops_per_second, 1.0) if costs is None else costs
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs, IDEAL, plan.groups,
                     split=plan.split_backward).step_time
 

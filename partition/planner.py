@@ -31,11 +31,11 @@ from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
 from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
 from gems.pipeline.routes import Routes
-from gems.pipeline.simulate import EFFICIENCY, IDEAL, V100_FLOPS, costs_from_plan, simulate
+from gems.pipeline.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
 from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from gems.spatial.limit import spatial_limit
-from .backward import choose, split_mode
+from .backward import choose, predicted_step, split_mode
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .forward import forward_bytes, send_copies
@@ -388,13 +388,10 @@ class _Job:
             spatial_start=tiles.start if tiles else 0)
         policed = any(p.kind != "none" for p in policies)
         if policed or tiles:
-            def step(costs_of_plan) -> float:
-                return simulate(result.schedule, K, result.micro_batches, costs_of_plan, IDEAL, self.groups,
-                                split=result.split_backward).step_time
             timed = costs_from_plan(result, self.rate, 1.0)
-            result.step_seconds = step(timed)
+            result.step_seconds = predicted_step(result, timed)
         if policed:
             runs = result.micro_batches * schedules.replicas(result.schedule)
             timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
-            result.plain_step_seconds = step(timed)
+            result.plain_step_seconds = predicted_step(result, timed)
         return result

@@ -245,7 +245,7 @@ def _deferred_reference(batch: int, rows: int, side: int, steps: int):
     layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     sums: dict = {}
     for layer in layers:
-        layer.register_forward_pre_hook(lambda layer, args: sums.setdefault(layer, []).append(args[0].detach().double()))
+        layer.register_forward_pre_hook(lambda m, args: sums.setdefault(m, []).append(args[0].detach().double()))
     for step in range(steps):
         x, y = _data(batch, side, step)
         sums.clear()

@@ -302,5 +302,5 @@ def test_spatial_auto_takes_the_fewest_tiles_the_launch_allows():
     # for P = 1 has no tiles: the planner's own auto would have tiled it on ranks that are not there.
     tight = prepare("--batch-size", "2", "--memory-budget", "140MiB")
     assert (tight.plan.tiles, tight.topo.tiles, tight.topo.groups) == (2, 2, 1)
-    with pytest.raises(gems.GemsError, match=r"P = 1: no number of stages fits .*; P = 2: a rank needs .*: launch more"):
+    with pytest.raises(gems.GemsError, match=r"P = 1: no number of stages fits .*; P = 2: a rank needs .*: launch"):
         prepare("--batch-size", "2", "--memory-budget", "20MiB")

@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split each backward into input- and weight-gradient actions, weight-gradients filling "
                         "bubbles: on (the flag alone), off, or auto (plan both ways, keep the faster that fits)")
     p.add_argument("--shard-optimizer", action="store_true",
-                   help="each rank of a sync group updates a share of the parameters (recorded in the plan, "
-                        "not yet priced)")
+                   help="each rank of a sync group updates a share of the parameters and keeps only their "
+                        "optimizer state (priced so)")
     p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
     p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
     p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
