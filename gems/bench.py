@@ -297,6 +297,9 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
             last = [trace.RankTimeline(r.rank, r.group, r.position, r.steps[-1:]) for r in ranks]
             trace.write_png(Path(cfg.trace_dir) / f"{name}.png", last, trace.title(meta))
     placement = [list(engine.topology.place(rank)) for rank in range(comm.size)]
+    # a sharded step updates 1/n of its stages' parameters; the simulator takes the unsharded step's time
+    sharers = [max(len(engine.topology.holders(s)) for s in engine.topology.stages_of(rank))
+               if plan.shard_optimizer else 1 for rank in range(comm.size)]
     del engine, recorder
     gc.collect()
 
@@ -313,13 +316,16 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         halves = _stage_medians(leaders, sch.BACKWARD_INPUT, K), _stage_medians(leaders, sch.BACKWARD_WEIGHT, K)
         backward = [i + w for i, w in zip(*halves)]
         share = [i / b if b > 0 else 0.5 for i, b in zip(halves[0], backward)]
-    optimizer = max(statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
-                    for r in ranks)
+    steps = {r.rank: statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
+             for r in ranks}
+    optimizer = max(steps.values())
     stages = plan.stage_estimates
     costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
                            param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan),
                            input_share=share)
-    predicted = simulate.simulate(name, K, m, costs, network, groups, optimizer, plan.split_backward).step_time
+    unsharded = max(sharers[rank] * t for rank, t in steps.items())
+    predicted = simulate.simulate(name, K, m, costs, network, groups, unsharded, plan.split_backward,
+                                  plan.shard_optimizer).step_time
     step = statistics.median(step_times)
     return ScheduleResult(
         schedule=name, groups=groups, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),

@@ -84,3 +84,21 @@ def test_checkpoints_are_the_same_sharded_or_not_and_each_resumes_the_other():
     after = [_run(shard, [2], (state, opt))[0][2] for shard, opt in ((True, a), (False, b))]
     for key in after[0]:
         torch.testing.assert_close(after[0][key], after[1][key], rtol=0, atol=0, msg=key)
+
+
+def _labels(comm, plan, images, labels):
+    engine = gems.Engine(build("transparency"), plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    engine.step(images, labels)
+    return [label for label, _, _ in engine.timeline()]
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_the_parameter_exchange_is_its_own_span_after_an_applied_step(shard):
+    """The timeline's ``step`` is the update alone; a sharded rank's exchange follows as ``share``
+    (gems-bench and traces tell the two apart), and a step not applied exchanges nothing."""
+    plan = make_plan("transparency", "mast", 2, 2, 1, shard=shard)
+    images, labels = data(plan.batch_size, 0)
+    for x, applied in ((images, True), (torch.full_like(images, float("nan")), False)):
+        for spans in loopback.run(2, lambda comm: _labels(comm, copy.deepcopy(plan), x, labels), timeout=30):
+            assert spans[-1] == ("share" if shard and applied else "step")
+            assert spans.count("share") == (shard and applied) and spans[-2 if shard and applied else -1] == "step"

@@ -12,7 +12,8 @@
   Split (``gems.pipeline.splitgrad``): backward_input computes the input gradients and keeps the
   graph, backward_weight the parameters' gradients later (a recomputing forward's whole backward
   runs in backward_input: a second half would recompute its segments again);
-- send / recv: through the ``Messenger``; reduce / sync / step: through ``GradSync``.
+- send / recv: through the ``Messenger``; reduce / sync / step: through ``GradSync``; after an
+  applied step of a sharded optimizer, the parameter exchange (its own span, ``ir.SHARE``).
 
 Every action is timed (``ActionTimer``) for traces and gems-bench.
 """
@@ -85,6 +86,10 @@ class Executor:
                 self.runners[key[2]].prefetch(key)
             self._run[a.op](a)
             timer.span(str(a), start, now())
+        if a.op == ir.STEP and self.applied and self.grads.sharded:   # the step's last action
+            start = now()
+            self.grads.share()
+            timer.span(ir.SHARE, start, now())
         self._images = self._labels = None
 
     def _edge(self, a: ir.Action) -> tuple[int, int]:

@@ -160,10 +160,15 @@ class GradSync:
             p.data = view
         return flat
 
-    def _share_params(self) -> None:
-        """Every member's updated parameters to every member: one allgather per part of its flat
-        parameter buffer over the part's sync group, each member's run from its owner (half an
-        allreduce's traffic)."""
+    @property
+    def sharded(self) -> bool:
+        """Whether each member updates only its share of the parameters (``optimized(shard=True)``)."""
+        return self._owned is not None
+
+    def share(self) -> None:
+        """After an applied sharded step: every member's updated parameters to every member: one
+        allgather per part of its flat parameter buffer over the part's sync group, each member's
+        run from its owner (half an allreduce's traffic). COLLECTIVE over each part's sync group."""
         requests = [self.comm.iallgather_runs(flat, bounds, self._parts[key][1])
                     for key, (flat, bounds) in self._runs.items()]
         for req in requests:
@@ -266,7 +271,8 @@ class GradSync:
     def apply(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step (after clipping) and the deferred BatchNorm update, unless the loss
         is not finite: then the buffers go back to their values before the step. Gradients are
-        zeroed either way. Returns whether the step was applied."""
+        zeroed either way. Returns whether the step was applied; sharded, an applied step's new
+        parameters reach the other members by ``share``."""
         applied = bool(torch.isfinite(self._scalars[0]))
         if not applied:
             self._scatter(self._stats_before, self._stats_buffers)
@@ -280,8 +286,6 @@ class GradSync:
                     for _, grads, _, _ in self._segments.values():
                         grads.mul_(scale)
             optimizer.step()
-            if self._owned is not None:
-                self._share_params()
             for _, norms in self.batch_norms:
                 norms.update()
         self._zero_grads()

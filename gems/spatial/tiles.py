@@ -74,9 +74,16 @@ class TileGroup:
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                  what: str) -> None:
         """Post every send and receive (world peer, tensor) as one batch and wait for all."""
+        self.wait(self.post(sends, recvs), what)
+
+    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
+        """Start ``exchange``'s messages without waiting; ``wait`` for the returned requests."""
         ops = [P2POp("send", (t.contiguous(),), peer, TILE_TAG) for peer, t in sends]
         ops += [P2POp("recv", (t,), peer, TILE_TAG) for peer, t in recvs]
-        for req in self.comm.ibatch(ops):
+        return self.comm.ibatch(ops)
+
+    def wait(self, requests: list, what: str) -> None:
+        for req in requests:
             self.comm.wait(req, what, self.backoff)
 
     @property
