@@ -3,10 +3,11 @@ model parallelism (mp), the same model and image, in one launch.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/spatial.py --model resnet18 --image-size 512
 
-Three runs of ``--steps`` training steps (after ``--warmup``), one image per step (``--batch-size``):
+Four runs of ``--steps`` training steps (after ``--warmup``), one image per step (``--batch-size``):
 ``one rank`` (plain PyTorch on rank 0 while rank 1 waits), ``spatial`` (K = 1, the conv trunk --
 every unit before the global pooling -- on a 1x2 or 2x1 tile grid of both ranks, the head on the
-leader) and ``mp`` (K = 2, the planner's cut). Prints the median step of each and the ratios. The
+leader) and ``mp`` (K = 2, the planner's cut); and the ceiling: each rank a half image, plain PyTorch,
+both at once. Prints the median step of each and the ratios. The
 issue's figures: spatial >= 1.7x one rank and >= 1.6x mp. Not part of the installed package.
 """
 from __future__ import annotations
@@ -68,6 +69,17 @@ def main() -> None:
     t_one = _steps(single, args.steps, args.warmup, comm)
 
     rows, cols = (int(v) for v in args.grid.split("x"))
+    # the ceiling on these cores: each rank its own half of the image (no halo, no sums, no
+    # gradient allreduce), both at once -- what two ranks can do at best, shared memory bandwidth included
+    half = x[:, :, :S // 2] if rows == 2 else x[:, :, :, :S // 2]
+    own = copy.deepcopy(model)
+    own_opt = sgd(own.parameters())
+
+    def halves() -> None:
+        own_opt.zero_grad()
+        loss_fn(own(half), y).backward()
+        own_opt.step()
+    t_half = _steps(halves, args.steps, args.warmup, comm)
     plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=1, schedule="mp", device="cpu")
     plan.spatial_grid = [rows, cols]
     plan.spatial_end = next(i for i, n in enumerate(plan.unit_names) if "avgpool" in n or n == "head")
@@ -86,6 +98,8 @@ def main() -> None:
         print(f"  spatial {rows}x{cols} (2 ranks{sharded}) {t_spatial * 1e3:9.1f} ms   "
               f"{t_one / t_spatial:5.2f}x one rank   {t_mp / t_spatial:5.2f}x mp")
         print(f"  mp K=2 (2 ranks)  {t_mp * 1e3:9.1f} ms   {t_one / t_mp:5.2f}x one rank")
+        print(f"  ceiling: a half image on each rank at once, plain PyTorch {t_half * 1e3:9.1f} ms   "
+              f"{t_one / t_half:5.2f}x one rank")
 
 
 if __name__ == "__main__":
