@@ -233,7 +233,9 @@ class _Window(torch.autograd.Function):
         # a neighbour a little behind costs this tile no wait
         g = op.backward(grad, levels[-1], weight, kept, (True, False, False))[0]
         started = _start_return(g, tiles, halos[-1], tuple(levels[-2].shape))
-        gw, gb = op.backward(grad, levels[-1], weight, kept, (False, *needs[1:]))[1:] if any(needs[1:]) else (None, None)
+        gw, gb = None, None
+        if any(needs[1:]):
+            gw, gb = op.backward(grad, levels[-1], weight, kept, (False, *needs[1:]))[1:]
         g = _returned(*started)
         for h, below in zip(reversed(halos[:-1]), reversed(levels[:-2])):
             g = _return(g, tiles, h, tuple(below.shape))
