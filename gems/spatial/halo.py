@@ -19,6 +19,7 @@ members pair up in posting order (``TileGroup.exchange``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,22 +102,25 @@ def _assemble(x: torch.Tensor, tiles: TileGroup, h: Halo, received: list[torch.T
 def _return(grad: torch.Tensor, tiles: TileGroup, h: Halo, shape: tuple[int, ...]) -> torch.Tensor:
     """The gradient of the tile (``shape``) from the gradient of its region: its own rows, plus
     the gradient of every row the other members fetched from it, sent back by them."""
-    return _returned(*_start_return(grad, tiles, h, shape))
+    return _start_return(grad, tiles, h, shape)()
 
 
-def _start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo, shape: tuple[int, ...]):
-    """``_return`` up to its messages, posted: (the tile's gradient so far, the exchange's
-    requests, the received rows with where they add in, the tile group); ``_returned`` ends it."""
+def _start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo,
+                  shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    """``_return`` with its messages posted, not waited for: call the result to wait, add the rows
+    received and get the tile's gradient."""
     members, me = tiles.line(h.dim)
     owns = parts(h.size, len(members))
     own, want = owns[me], h.needs[me]
     mine = intersect(own, want)
-    gx = grad.new_empty(shape)   # the rows the region read, copied; the others (a strided op's last) zero
-    if mine:
+    if mine is None:
+        gx = grad.new_zeros(shape)
+    else:   # the rows the region read, copied; the others (a strided op's last) zero
+        gx = grad.new_empty(shape)
         _slice(gx, h.dim, mine, own[0]).copy_(_slice(grad, h.dim, mine, want[0]))
-    for lo, hi in ((own[0], mine[0] if mine else own[1]), (mine[1] if mine else own[1], own[1])):
-        if lo < hi:
-            _slice(gx, h.dim, (lo, hi), own[0]).zero_()
+        for unread in ((own[0], mine[0]), (mine[1], own[1])):
+            if unread[0] < unread[1]:
+                _slice(gx, h.dim, unread, own[0]).zero_()
     sends, recvs = [], []
     for q, peer in enumerate(members):
         if q == me:
@@ -129,15 +133,13 @@ def _start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo, shape: tuple[in
             shape_q[h.dim] = give[1] - give[0]
             recvs.append((peer, grad.new_empty(shape_q), give))
     requests = tiles.post(sends, [(peer, b) for peer, b, _ in recvs])
-    return gx, requests, [(b, give, own[0], h.dim) for _, b, give in recvs], tiles
 
-
-def _returned(gx: torch.Tensor, requests: list, received: list, tiles: TileGroup) -> torch.Tensor:
-    """Wait for ``_start_return``'s messages and add the rows received to the tile's gradient."""
-    tiles.wait(requests, "the gradient of a tile's halo")
-    for b, give, base, dim in received:
-        _slice(gx, dim, give, base).add_(b)
-    return gx
+    def finish() -> torch.Tensor:
+        tiles.wait(requests, "the gradient of a tile's halo")
+        for _, b, give in recvs:
+            _slice(gx, h.dim, give, own[0]).add_(b)
+        return gx
+    return finish
 
 
 class _Fetch(torch.autograd.Function):
@@ -232,11 +234,11 @@ class _Window(torch.autograd.Function):
         # the input's gradient first, its halo rows on their way back while the weight's is computed:
         # a neighbour a little behind costs this tile no wait
         g = op.backward(grad, levels[-1], weight, kept, (True, False, False))[0]
-        started = _start_return(g, tiles, halos[-1], tuple(levels[-2].shape))
+        returned = _start_return(g, tiles, halos[-1], tuple(levels[-2].shape))
         gw, gb = None, None
         if any(needs[1:]):
             gw, gb = op.backward(grad, levels[-1], weight, kept, (False, *needs[1:]))[1:]
-        g = _returned(*started)
+        g = returned()
         for h, below in zip(reversed(halos[:-1]), reversed(levels[:-2])):
             g = _return(g, tiles, h, tuple(below.shape))
         return g, gw, gb, None, None, None

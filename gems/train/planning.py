@@ -115,5 +115,3 @@ def check_task(task: str, output: list[int], model: str) -> None:
 def _names(names: list[str]) -> str:
     """"3 units (0..2)" for messages."""
     return f"{len(names)} units ({names[0]}..{names[-1]})" if names else "no units"
-
-
