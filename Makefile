@@ -37,17 +37,22 @@ test: install
 
 # The GPU acceptance run, for a GPU machine without network: the Python found there (its own
 # torch, 2.11 or later, mpi4py, pytest), nothing installed from an index. WHEELS=DIR installs the
-# wheel files in DIR first (e.g. mpich, where mpi4py finds no MPI library; see README "GPU check").
+# wheel files in DIR (e.g. mpich and mpi4py, where mpi4py finds no MPI library; see README "GPU
+# check") under a private prefix: its site-packages go on PYTHONPATH, its mpiexec launches the
+# ranks and MPI4PY_LIBMPI names its libmpi (pip --target would drop the wheel's lib/ folder).
 GPU_PY ?= python3
 WHEELS ?=
-GPU_SITE := /tmp/gems-gpu-wheels
+GPU_PREFIX := /tmp/gems-gpu-wheels
+GPU_CHECK_ARGS ?=
 gpu-check:
 ifneq ($(WHEELS),)
-	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl
-	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} GEMS_MPIEXEC=$(GPU_SITE)/bin/mpiexec \
-	    $(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --prefix $(GPU_PREFIX) $(WHEELS)/*.whl
+	site=$$($(GPU_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib", vars={"base": "$(GPU_PREFIX)", "platbase": "$(GPU_PREFIX)"}))') && \
+	PYTHONPATH=$$site$${PYTHONPATH:+:$$PYTHONPATH} GEMS_MPIEXEC=$(GPU_PREFIX)/bin/mpiexec \
+	    MPI4PY_LIBMPI=$(GPU_PREFIX)/lib/libmpi.so.12 \
+	    $(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
 else
-	$(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md
+	$(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
 endif
 
 clean:

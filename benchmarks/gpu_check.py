@@ -36,15 +36,17 @@ LAYOUT = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", 
           "--stages", "2"]
 
 
-def importable_gems(work: Path) -> dict:
-    """The environment that makes ``import gems`` work in this process and its children: as it is
-    when gems is installed; else a folder of links shaped like the installed package (partition/
-    and models/ become gems.partition and gems.models, as setup.py maps them) put on PYTHONPATH,
-    so nothing needs pip, setuptools or a network."""
+def importable_gems(work: Path) -> tuple[dict, Path]:
+    """The environment and working folder that make ``import gems`` work in this process and its
+    children: as they are when gems is installed; else a folder of links shaped like the installed
+    package (partition/ and models/ become gems.partition and gems.models, as setup.py maps them),
+    put on PYTHONPATH and made the children's working folder -- ``python -m`` puts the working
+    folder first on sys.path, where the checkout's own gems/ (without models and partition) would
+    shadow the links -- so nothing needs pip, setuptools or a network."""
     try:
         import gems.partition  # noqa: F401, PLC0415
 
-        return {}
+        return {}, REPO
     except ImportError:
         pass
     package = work / "gems"
@@ -54,7 +56,7 @@ def importable_gems(work: Path) -> dict:
     (package / "partition").symlink_to(REPO / "partition")
     (package / "models").symlink_to(REPO / "models")
     sys.path.insert(0, str(work))
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}, work
 
 
 def launcher() -> str | None:
@@ -72,10 +74,13 @@ def command(name: str) -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", module]
 
 
+CWD = [REPO]   # the children's working folder (importable_gems's choice)
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     start = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(cmd, cwd=CWD[0], capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         code, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
@@ -100,12 +105,13 @@ def environment() -> dict:
     return info
 
 
-def gpu_tests(figures_file: Path) -> dict:
+def gpu_tests(figures_file: Path, timeout: float) -> dict:
     result = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
-                  "tests/test_gpu.py"], timeout=3600, env={"GEMS_GPU_REPORT": str(figures_file)})
+                  str(REPO / "tests" / "test_gpu.py")], timeout=timeout, env={"GEMS_GPU_REPORT": str(figures_file),
+                                        "GEMS_GPU_TEST_TIMEOUT": str(max(30.0, timeout / 3))})
     lines = figures_file.read_text().splitlines() if figures_file.exists() else []
     result["figures"] = [json.loads(line) for line in lines]
-    summary = re.findall(r"=+ (.*(?:passed|failed|error|skipped).*) in [\d.]+s", result["stdout"])
+    summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped).*?) in [\d.]+s", result["stdout"], re.M)
     result["summary"] = summary[-1] if summary else "no pytest summary"
     return result
 
@@ -119,28 +125,34 @@ def train_summary(stdout: str) -> dict:
             "memory": [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in ranks]}
 
 
-def pipelines(mpiexec: str, gpus: int, work: Path) -> list[dict]:
-    parts = []
+def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list[dict]:
+    """Each part run in turn; ``done(parts)`` after each, so a report exists if a later one hangs."""
+    parts: list[dict] = []
+
+    def add(part: dict) -> None:
+        parts.append(part)
+        done(parts)
+
     shared = ["--allow-shared-gpu", "--workers", "0", "--no-progress"]
     train = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
-                 *shared], timeout=1800)
-    parts.append({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
+                 *shared], timeout=timeout)
+    add({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
     bench_json = work / "bench.json"
     bench = run([mpiexec, "-n", "2", *command("gems-bench"), *LAYOUT, "--schedules", "mast", "--steps", "5",
-                 "--warmup", "2", "--no-reference", "--allow-shared-gpu", "--json", str(bench_json)], timeout=1800)
+                 "--warmup", "2", "--no-reference", "--allow-shared-gpu", "--json", str(bench_json)], timeout=timeout)
     if bench_json.exists():
         rows = json.loads(bench_json.read_text())["schedules"].values()
         bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory")}
                          for r in rows]
-    parts.append({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
+    add({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
     spatial = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT[:-1], "1", "--schedule", "mp", "--spatial",
-                   "2", "--steps", "4", *shared], timeout=1800)
-    parts.append({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
+                   "2", "--steps", "4", *shared], timeout=timeout)
+    add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
                   **train_summary(spatial["stdout"])})
     if gpus >= 2:
         nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
-                    "--comm", "torch", "--workers", "0", "--no-progress"], timeout=1800)
-        parts.append({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl,
+                    "--comm", "torch", "--workers", "0", "--no-progress"], timeout=timeout)
+        add({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl,
                       **train_summary(nccl["stdout"])})
     return parts
 
@@ -171,27 +183,39 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", default="gpu-check-report.md", help="the Markdown report (JSON beside it)")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds each part (the tests, each launch) may run before it is stopped and reported "
+                        "as 'timeout' (default 1800)")
     args = p.parse_args(argv)
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
         print("gpu-check: torch sees no CUDA device on this machine; run it where a GPU is", file=sys.stderr)
         return 2
+    report = Path(args.report)
+
+    def write(info: dict, tests: dict, parts: list[dict]) -> None:
+        """The report as it stands, rewritten after every part, and that part's section printed."""
+        report.write_text(markdown(info, tests, parts), encoding="utf-8")
+        report.with_suffix(".json").write_text(json.dumps({"machine": info, "tests": tests, "parts": parts},
+                                                          indent=2), encoding="utf-8")
+        latest = markdown(info, tests, parts[-1:]).split("\n## ")[-1]
+        print("## " + latest, flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        os.environ.update(importable_gems(work))   # the children inherit it
+        env, CWD[0] = importable_gems(work)
+        os.environ.update(env)   # the children inherit it
         info = environment()
-        tests = gpu_tests(work / "figures.jsonl")
+        tests = gpu_tests(work / "figures.jsonl", args.timeout)
+        write(info, tests, [])
         mpiexec = info["mpiexec"] if not str(info["mpi"]).startswith("unavailable") else None
-        parts = pipelines(mpiexec, torch.cuda.device_count(), work) if mpiexec else [
+        parts = pipelines(mpiexec, torch.cuda.device_count(), work, args.timeout,
+                          lambda parts: write(info, tests, parts)) if mpiexec else [
             {"part": "gems-train / gems-bench", "command": "(skipped)", "code": "no MPI", "seconds": 0,
              "stdout": "", "stderr": f"mpi4py has no MPI library here ({info['mpi']}); see README 'GPU check'"}]
-    report = Path(args.report)
-    report.write_text(markdown(info, tests, parts), encoding="utf-8")
-    report.with_suffix(".json").write_text(json.dumps({"machine": info, "tests": tests, "parts": parts}, indent=2),
-                                           encoding="utf-8")
+        write(info, tests, parts)
     failed = [part["part"] for part in parts if part["code"] != 0] + (["tests"] if tests["code"] != 0 else [])
-    print(report.read_text())
     print(f"gpu-check: report in {report} and {report.with_suffix('.json')}"
           + (f"; failed: {', '.join(failed)}" if failed else "; every part passed"))
     return 1 if failed else 0

@@ -24,6 +24,7 @@ from gems.graph import graph_units
 from gems.spatial import flatten
 from gems.pipeline.topology import ranks_per_group
 from models.unet import UNet
+from conftest import DISTRIBUTED
 from spatial_models import BatchNormNet, GroupNormNet
 
 pytestmark = pytest.mark.timeout(180)
@@ -325,3 +326,10 @@ def test_a_sharded_optimizer_with_a_spatial_part(K, schedule, batch, end, groups
 
     names = [n for ranks in loopback.run(world, owned, semantics="nccl", timeout=60.0) for n in ranks]
     assert sorted(names) == sorted(n for n, _ in copies[0].named_parameters())   # each updated by one rank
+
+
+def test_tiles_on_real_processes_train_like_one_process(run_mpi):
+    """The loopback's threads above, as two MPI processes: tests/distributed/spatial_worker.py on
+    a 2x1 grid (the worker make gpu-check runs on CUDA) equals one process after three steps."""
+    result = run_mpi(2, DISTRIBUTED / "spatial_worker.py", "--device", "cpu", timeout=120)
+    assert "ok spatial 2x1 on 2 ranks (cpu)" in result.stdout

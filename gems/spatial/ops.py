@@ -270,12 +270,14 @@ def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
                      var: torch.Tensor, tiles: TileGroup, n: int, eps: float):
     """(dx, Σ dy·x̂, Σ dy) of a normalisation per channel (dim 1) with statistics over every tile:
     PyTorch's eval-mode backward gives this tile's sums, added over the tiles they make
-    dx = a·dy + b·x + c per channel, two fused passes."""
+    dx = a·dy + b·x + c per channel, two fused passes. The statistics go in as both the running
+    and the saved ones: the CPU kernel's eval mode reads the running pair, CUDA's reads the saved
+    mean and inverse deviation whenever it reduces (it asserts they are given)."""
     ones = torch.ones_like(mean) if weight is None else weight
-    _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, None, None,
+    invstd = torch.rsqrt(var + eps)
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, mean, invstd,
                                                           False, eps, [False, True, True])
     total = allreduce(torch.stack([db, dw]), tiles) / n   # mean(dy), mean(dy·x̂) per channel
-    invstd = torch.rsqrt(var + eps)
     a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))
     b = -a * invstd * total[1]              # coefficient of x
     c = -a * total[0] - b * mean            # the rest

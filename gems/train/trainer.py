@@ -98,6 +98,9 @@ def enforce_memory_budget(engine: Engine, budget: int) -> None:
     fail, or crash, before any tensor does: the limit is meant for budgets of GiBs.
     """
     if engine.device.type == "cuda":
+        # The fraction bounds what the caching allocator reserves anew; blocks it already caches
+        # would serve a step beyond the budget without asking, so they go back first.
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(engine.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), engine.device)
         return
