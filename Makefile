@@ -43,6 +43,7 @@ test: install
 GPU_PY ?= python3
 WHEELS ?=
 GPU_PREFIX := /tmp/gems-gpu-wheels
+GPU_REPORT ?= gpu-check-report.md
 GPU_CHECK_ARGS ?=
 gpu-check:
 ifneq ($(WHEELS),)
@@ -50,9 +51,9 @@ ifneq ($(WHEELS),)
 	site=$$($(GPU_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib", vars={"base": "$(GPU_PREFIX)", "platbase": "$(GPU_PREFIX)"}))') && \
 	PYTHONPATH=$$site$${PYTHONPATH:+:$$PYTHONPATH} GEMS_MPIEXEC=$(GPU_PREFIX)/bin/mpiexec \
 	    MPI4PY_LIBMPI=$(GPU_PREFIX)/lib/libmpi.so.12 \
-	    $(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
+	    $(GPU_PY) benchmarks/gpu_check.py --report $(GPU_REPORT) $(GPU_CHECK_ARGS)
 else
-	$(GPU_PY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check.py --report $(GPU_REPORT) $(GPU_CHECK_ARGS)
 endif
 
 clean:

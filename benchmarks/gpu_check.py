@@ -10,7 +10,9 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
 2. gems-train, resnet50 at 2048², K=2 mast on two ranks sharing GPU 0 (``--allow-shared-gpu``),
    and gems-bench on the same layout for images/s and the bubble.
    gems-train with ``--spatial 2`` at K=1 (each image's tiles on the two ranks: halo exchanges
-   and group sums on CUDA), memory per rank against the estimate.
+   and group sums on CUDA), memory per rank against the estimate; mast with split backward,
+   sharded optimizer, recompute and offload together; a U-Net segmentation under mast with a tile
+   group at each end (four ranks).
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
 
 The report (Markdown, and JSON beside it) holds what each part measured, copied from the real
@@ -149,6 +151,17 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list
                    "2", "--steps", "4", *shared], timeout=timeout)
     add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
                   **train_summary(spatial["stdout"])})
+    policies = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
+                    "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
+                    "--micro-batches", "2", "--split-backward", "on", "--shard-optimizer", "--recompute", "all",
+                    "--offload", "all", "--steps", "4", *shared], timeout=timeout)
+    add({"part": "gems-train mast K=2 m=2, split backward, sharded optimizer, recompute + offload everywhere, "
+                 "two ranks on one GPU (MPI)", **policies, **train_summary(policies["stdout"])})
+    unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
+                "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial", "2",
+                "--steps", "4", *shared], timeout=timeout)
+    add({"part": "gems-train U-Net segmentation, mast K=2 with --spatial 2 (tile groups at both ends), four ranks "
+                 "on one GPU (MPI)", **unet, **train_summary(unet["stdout"])})
     if gpus >= 2:
         nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
                     "--comm", "torch", "--workers", "0", "--no-progress"], timeout=timeout)
