@@ -333,3 +333,16 @@ def test_tiles_on_real_processes_train_like_one_process(run_mpi):
     a 2x1 grid (the worker make gpu-check runs on CUDA) equals one process after three steps."""
     result = run_mpi(2, DISTRIBUTED / "spatial_worker.py", "--device", "cpu", timeout=120)
     assert "ok spatial 2x1 on 2 ranks (cpu)" in result.stdout
+
+
+def test_loopback_ranks_refuse_a_spatial_plan_on_cuda():
+    """Two loopback ranks on CUDA would deadlock in their tiles' backward (one autograd thread per
+    device and process): the engine says so before touching the device (checked without a GPU)."""
+    model, plan = _plan(36, 2, 1, "mp", (2, 1))
+
+    def build(comm):
+        gems.Engine(graph_units(copy.deepcopy(model), (3, 36, 36), 2), plan, optimizer=_optimizer,
+                    loss_fn=nn.CrossEntropyLoss(), comm=comm, device="cuda")
+
+    with pytest.raises(gems.GemsError, match="spatial plan on CUDA needs one process per rank"):
+        loopback.run(2, build, timeout=30.0)

@@ -97,6 +97,13 @@ class Engine:
             comm_lib.configure_threads(comm)  # cores / ranks on the node, unless OMP_NUM_THREADS
         self.comm, self.plan = comm, plan
         self.device = comm.device if device is None else torch.device(device)
+        if plan.tiles > 1 and self.device.type == "cuda" and comm.backend == "loopback" and comm.size > 1:
+            # A tile's backward exchanges halos from inside autograd, and one process runs all its
+            # CUDA backwards on that device's one autograd thread: two ranks' backwards would wait
+            # on each other there for ever.
+            raise GemsError("a spatial plan on CUDA needs one process per rank: loopback ranks share the "
+                            "process's autograd thread, where their tiles' halo exchanges would deadlock; "
+                            "launch the ranks with mpiexec (or run the loopback on CPU)")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.loss_fn, self.autocast, self.prefetch = as_sum_loss(loss_fn), autocast, prefetch
