@@ -12,6 +12,10 @@ as usual::
     tiled units       activations, working memory, FLOPs / P (a tile's share, rounded up)
                       + per sliding window the halo rows and columns its tile fetches
                         (``Window.fetched``: kept for backward, and its gradient in backward)
+                      + in working memory the copies of the tile a window makes beyond what
+                        PyTorch's own layer would (``Window.copies``: the tile joined with its
+                        halo in forward; in backward that region rebuilt and the tile's own
+                        gradient cut from the region's); the most of any window of the unit
     the image         a tile / P: the engine moves only this rank's tile of the batch to the device
     the gathered boundary at ``end``, and all after it up to a suffix: full; while gathering (or
                       scattering) a boundary, the other tiles' share of it in receive buffers
@@ -75,6 +79,8 @@ class Tiling:
     gather: int
     messages: int          # halo, gather and scatter messages of one rank per forward
     start: int = 0
+    copies: list[tuple[int, int]] | None = None   # per unit, the most bytes its windows' copies of a tile
+                                                  # hold, (forward, backward) (``Window.copies``)
 
     @property
     def tiles(self) -> int:
@@ -106,17 +112,19 @@ def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, su
     """The Tiling of units [0, end) (and a ``suffix`` reach's units) on ``grid``, bytes at the
     profile's dtype."""
     itemsize = _itemsize(prof.dtype)
-    halo = [0] * len(prof)
+    halo, copies = [0] * len(prof), [(0, 0)] * len(prof)
     messages = 0
     for w in [w for w in reach.windows if w.unit < end] + (suffix.windows if suffix else []):
         halo[w.unit] += w.fetched(grid) * itemsize
+        copies[w.unit] = tuple(max(a, b * itemsize) for a, b in zip(copies[w.unit], w.copies(grid)))
         messages += 2 * sum(1 for count, extra in zip(grid, w.halos(grid)) if count > 1 and extra)
     P = grid[0] * grid[1]
     boundary = prof.boundary_bytes()
     # gathered at the end, and with a suffix scattered at its start and the model's output gathered
     moved = [int(boundary[end])] + ([int(boundary[suffix.first]), prof.units[-1].output_bytes] if suffix else [])
     gather = sum((P - 1) * _share(b, P) for b in moved)
-    return Tiling(tuple(grid), end, halo, gather, messages + (P - 1) * len(moved), suffix.first if suffix else 0)
+    return Tiling(tuple(grid), end, halo, gather, messages + (P - 1) * len(moved), suffix.first if suffix else 0,
+                  copies)
 
 
 def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelProfile:
@@ -138,10 +146,11 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
             moving[start] += (P - 1) * _share(int(boundary[start]), P)
             moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
     untiled = (lambda u: replace(u, **dict.fromkeys(_HELD, 0))) if member else (lambda u: u)
+    copies = t.copies or [(0, 0)] * len(prof)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
-                     forward_working=_share(u.forward_working, P) + t.halo[i] + moving[i],
-                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + moving[i],
-                     eval_working=_share(u.eval_working, P) + t.halo[i] + moving[i],
+                     forward_working=_share(u.forward_working, P) + t.halo[i] + copies[i][0] + moving[i],
+                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + copies[i][1] + moving[i],
+                     eval_working=_share(u.eval_working, P) + t.halo[i] + copies[i][0] + moving[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
              if t.tiled(i) else untiled(u) for i, u in enumerate(prof.units)]
     if member:

@@ -57,6 +57,24 @@ class Window:
                                                 math.ceil(self.size_in[1] / grid[1]))
         return self.batch * self.channels * ((tr + hr) * (tc + hc) - tr * tc)
 
+    def copies(self, grid: HW) -> tuple[int, int]:
+        """Elements of the copies of its tile this layer holds at once beyond PyTorch's own layer
+        (which reads its saved input in place and makes one input gradient) and beyond the halo
+        that ``fetched`` counts twice in backward; (forward, backward). ``gems.spatial.halo._Window``
+        joins the tile with each halo in turn (one per split axis): forward holds the joined
+        region while it computes, a tile more; backward rebuilds the regions and cuts the
+        gradient of each from the one above it -- one halo: the region, the region's gradient and
+        the tile's, two tiles more; two: both regions, the outer one's gradient and the inner's,
+        two inner regions and a tile more."""
+        (hr, hc), (tr, tc) = self.halos(grid), (math.ceil(self.size_in[0] / grid[0]),
+                                                math.ceil(self.size_in[1] / grid[1]))
+        tile = tr * tc
+        if not (hr or hc):
+            return 0, 0
+        inner = (tr + hr) * tc if hr else tr * (tc + hc)   # the region after the first halo
+        backward = 2 * inner + tile if hr and hc else 2 * tile
+        return self.batch * self.channels * tile, self.batch * self.channels * backward
+
     def traffic(self, grid: HW) -> int:
         """Elements the whole grid exchanges: halo rows x image width per border between rows of
         tiles, and halo columns x height per border between columns."""
