@@ -48,7 +48,8 @@ def relax(costs: CostModel, cuts: list[int], allowed: list[str], budget: int) ->
             parts = {s: options[s][choice[s]][1][p] for s in costs.holds(p)}
             _, activations, transient = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
                                                 {s: c.transient for s, c in parts.items()},
-                                                {s: c.back for s, c in parts.items()})
+                                                {s: c.back for s, c in parts.items()},
+                                                {s: costs.between(cuts, s) for s in parts})
             if static[p] + activations + transient > budget:
                 return False
         return True

@@ -4,6 +4,7 @@ For K stages under a schedule with m micro-batches per replica, stage s = units 
 held by position p costs
 
     memory  static(lo, hi) + in_flight[p][s] * activations(lo, hi)   (+ transient, by max)
+            + in_between[p][s] * captured(lo, hi)   with the backward split
     time    handled(p, s) * (forward + backward time of [lo, hi) per micro-batch)
     flops   handled(p, s) * forward FLOPs of [lo, hi) per micro-batch
 
@@ -13,6 +14,10 @@ peak); handled(p, s) = m times the number of replicas that run stage s on positi
 transient part (working memory of one forward or backward) counts once per position: a
 position runs one stage at a time. Without measured times, "time" counts forward plus
 backward FLOPs, a proxy that ranks stages the same way on one kind of device.
+With the backward split (``gems.pipeline.splitgrad``), a micro-batch between its input half and
+its weight half also keeps the gradient arriving at every op a parameter enters
+(``UnitProfile.captured_bytes``), for as many micro-batches as are between the halves at once
+(``in_between``); none for a stage from unit 0, whose backward is the weight half alone.
 
 With a memory policy chosen per stage, ``CostModel.stage`` gives what the stage then puts on
 each position holding it (kept bytes per micro-batch, transient bytes, seconds and FLOPs
@@ -97,14 +102,16 @@ def _or(matrix, default):
 
 
 def highest(moments: list[schedules.Moment], kept: dict[int, int], transient: dict[int, int],
-            back: dict[int, int] | None = None) -> tuple[dict[int, int], int, int]:
+            back: dict[int, int] | None = None,
+            between: dict[int, int] | None = None) -> tuple[dict[int, int], int, int]:
     """A position's highest moment (``gems.pipeline.schedule.moments``): its live micro-batches per
-    stage, the bytes they keep and the transient bytes then: the stage computed's, plus ``back``
+    stage, the bytes they keep -- plus ``between`` per micro-batch between the halves of a split
+    backward (none without) -- and the transient bytes then: the stage computed's, plus ``back``
     of the stage whose offloaded tensors its prefetch brings back during it (none without)."""
-    back = back or {}
-    return max(((live, sum(n * kept[s] for s, n in live.items()),
+    back, between = back or {}, between or {}
+    return max(((live, sum(n * kept[s] for s, n in live.items()) + sum(n * between.get(s, 0) for s, n in halves.items()),
                  transient[stage] + (back.get(early, 0) if early is not None else 0))
-                for stage, live, early in moments),
+                for stage, live, early, halves in moments),
                key=lambda moment: moment[1] + moment[2])
 
 
@@ -159,6 +166,7 @@ class CostModel:
         self.moments = [schedules.moments(actions) for actions in lists]
         self.host_moments = [host_moments(actions) for actions in lists]
         self.in_flight = [schedules.most_alive(moments) for moments in self.moments]
+        self.in_between = [schedules.most_alive(moments, between=True) for moments in self.moments]
         self._waiting = [Counter(a.stage for a in schedules.waiting_forwards(actions)) for actions in lists]
         self._holds = [schedules.holds(schedule, K, p) for p in range(K)]
         expected = [sorted({p, K - 1 - p}) if self.mirror else [p] for p in range(K)]
@@ -166,6 +174,12 @@ class CostModel:
             raise RuntimeError(f"schedule {schedule} places stages as {self._holds}, the solver as {expected}")
         self.static = _segments(profile.unit_sums("static_bytes"))
         self.activations = profile.activation_matrix() if policies is None else policies.kept(kind)
+        # kept per micro-batch between the halves of a split backward: the gradients arriving at the ops
+        # the stage's parameters enter; none for a stage from unit 0, whose input (the image) takes no
+        # gradient, so that its whole backward is the weight half (gems.pipeline.splitgrad)
+        self.captured = _segments(profile.unit_sums("captured_bytes")) if split else \
+            np.zeros((len(profile) + 1, len(profile) + 1))
+        self.captured[0, :] = 0
         self.transient = profile.working_matrix()
         self.forward_flops = _segments(profile.unit_sums("forward_flops"))
         self._remainder: np.ndarray | None = None
@@ -228,8 +242,13 @@ class CostModel:
         compute = self.policies.compute
         return sum(self.handled(position, s) * (compute[cuts[s + 1]] - compute[cuts[s]]) for s in self.holds(position))
 
+    def between(self, cuts: Sequence[int], s: int) -> int:
+        """Bytes a micro-batch of stage s keeps between the halves of a split backward."""
+        return int(self.captured[cuts[s], cuts[s + 1]])
+
     def memory(self, position: int, stage: int) -> np.ndarray:
-        return self._scaled(self.activations, self.in_flight[position].get(stage, 0), self.static)
+        kept = self._scaled(self.activations, self.in_flight[position].get(stage, 0), self.static)
+        return self._scaled(self.captured, self.in_between[position].get(stage, 0), kept) if self.split else kept
 
     def peak(self, position: int, stage: int) -> np.ndarray:
         if self.kind == "none":
@@ -242,8 +261,9 @@ class CostModel:
         stages = range(self.K)
         kept = {s: int(self.activations[cuts[s], cuts[s + 1]]) for s in stages}
         transient = {s: int(self.peak(0, s)[cuts[s], cuts[s + 1]]) for s in stages}
+        between = {s: self.between(cuts, s) for s in stages}
         return max(sum(int(self.static[cuts[s], cuts[s + 1]]) for s in self.holds(p))
-                   + sum(highest(self.moments[p], kept, transient)[1:]) for p in range(self.K))
+                   + sum(highest(self.moments[p], kept, transient, None, between)[1:]) for p in range(self.K))
 
     def time_cost(self, position: int, stage: int) -> np.ndarray:
         return self._scaled(self.time, self.handled(position, stage), self._rerun(position, stage, self.forward_time))

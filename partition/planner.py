@@ -348,12 +348,13 @@ class _Job:
             held = costs.holds(p)
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
+            between = {s: costs.between(cuts, s) for s in held}
             live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
                                                    {s: on[s][p].transient for s in held},
-                                                   {s: on[s][p].back for s in held})
+                                                   {s: on[s][p].back for s in held}, between)
             _, plain_activations, plain_transient = highest(
                 costs.moments[p], {s: stage_estimates[s].plain_activation_bytes for s in held},
-                {s: stage_estimates[s].transient_bytes for s in held})
+                {s: stage_estimates[s].transient_bytes for s in held}, None, between)
             in_flight = {s: int(live.get(s, 0)) for s in held}
             static = sum(e.static_bytes for e in est)
             extra = sum(c.seconds for c in parts)

@@ -51,7 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gems.errors import GemsError
 from gems.graph import READS, input_error
 from .records import ModelProfile, Storage, UnitProfile
-from .tracking import Allocations, Precision, StorageKeys, storage_bytes, tensor_bytes
+from .tracking import Allocations, Precision, StorageKeys, WeightedOutputs, storage_bytes, tensor_bytes
 
 # Optimizer state per trainable parameter, in parameter sizes.
 OPTIMIZER_STATE = {"sgd": 1, "sgd-nomomentum": 0, "adam": 2, "adamw": 2}
@@ -106,6 +106,8 @@ class _Run:
         lower = autocast is not None and autocast.itemsize < dtype.itemsize
         self.precision = Precision(self.keys, self.static, autocast) if lower else None
         self.copied: list[int] = []                         # per unit: bytes of autocast's input copies
+        self.weighted = WeightedOutputs({id(t.untyped_storage()) for state in self.params for t in state.values()
+                                         if t.requires_grad})
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self.keys(t)
@@ -117,7 +119,7 @@ class _Run:
         x = torch.empty((self.batch, *self.input_shape), dtype=self.dtype)
         n = len(self.units)
         boundaries = [_as_tuple(x, "the input")]   # boundaries[b + 1] = output of unit b
-        leaves, fwd_flops, fwd_working, eval_working = [], [], [], []
+        leaves, fwd_flops, fwd_working, eval_working, captured = [], [], [], [], []
         previous: torch.Tensor | tuple = x
         for i, unit in enumerate(self.units):
             self.unit = i
@@ -125,7 +127,8 @@ class _Run:
             start = self.allocations.mark()
             state = {**self.params[i], **self.buffers[i]}
             copied = self.precision.copied if self.precision else 0
-            with self.flops, self.allocations, self.precision or contextlib.nullcontext(), \
+            self.weighted.bytes = 0
+            with self.flops, self.allocations, self.weighted, self.precision or contextlib.nullcontext(), \
                     torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 try:
                     previous = torch.func.functional_call(unit, state, (arg,))
@@ -134,6 +137,7 @@ class _Run:
                 except (RuntimeError, ValueError, IndexError, TypeError) as error:
                     raise self._input_error(i, error) from None
             self.copied.append(self.precision.copied - copied if self.precision else 0)
+            captured.append(self.weighted.bytes)
             fwd_flops.append(self.flops.get_total_flops())
             fwd_working.append(self.allocations.peak_since(start) + self.allocations.scratch)
             eval_working.append(self._eval_working(unit, state, arg))
@@ -187,7 +191,7 @@ class _Run:
                 output_bytes=sum(b for _, _, b in out),
                 forward_flops=int(fwd_flops[i]), backward_flops=int(bwd_flops[i]),
                 forward_working=int(fwd_working[i]), backward_working=int(bwd_working[i]),
-                eval_working=int(eval_working[i]),
+                eval_working=int(eval_working[i]), captured_bytes=int(captured[i]),
             ))
         return ModelProfile(units=profiles, input_shapes=tuple(s for s, _, _ in shapes[0]),
                             input_dtypes=tuple(d for _, d, _ in shapes[0]), micro_batch_size=self.batch,

@@ -49,6 +49,8 @@ class UnitProfile:
     forward_working: int      # peak of new allocations during its forward (outputs and saved included)
     backward_working: int     # output gradient + peak of new allocations during its backward
     eval_working: int         # peak of new allocations of a forward-only step's forward (no_grad, eval mode)
+    captured_bytes: int = 0   # gradients a split backward keeps between its halves (the outputs of
+                              # the ops its trainable parameters enter: ``tracking.WeightedOutputs``)
 
     @property
     def static_bytes(self) -> int:

@@ -151,7 +151,8 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
                      forward_working=_share(u.forward_working, P) + t.halo[i] + copies[i][0] + moving[i],
                      backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + copies[i][1] + moving[i],
                      eval_working=_share(u.eval_working, P) + t.halo[i] + copies[i][0] + moving[i],
-                     forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P))
+                     forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P),
+                     captured_bytes=_share(u.captured_bytes, P))
              if t.tiled(i) else untiled(u) for i, u in enumerate(prof.units)]
     if member:
         storages = [replace(s, nbytes=_share(s.nbytes, P)) for s in prof.storages if any(map(t.tiled, s.touchers()))]
@@ -163,7 +164,7 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
 
 # what a member holds of a unit it does not run: nothing
 _HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "saved_bytes", "forward_working",
-         "backward_working", "eval_working", "forward_flops", "backward_flops")
+         "backward_working", "eval_working", "forward_flops", "backward_flops", "captured_bytes")
 
 
 def member_peaks(member: PolicyModel, leader: CostModel, cuts: Sequence[int], policies: Sequence,
@@ -180,7 +181,8 @@ def member_peaks(member: PolicyModel, leader: CostModel, cuts: Sequence[int], po
         on = {s: costs.stage(list(cuts), s, policies[s])[p] for s in held}
         kept, transient, back = ({s: getattr(on[s], f) if s in on else 0 for s in costs.holds(p)}
                                  for f in ("kept", "transient", "back"))
-        _, activations, working = highest(costs.moments[p], kept, transient, back)
+        _, activations, working = highest(costs.moments[p], kept, transient, back,
+                                          {s: costs.between(cuts, s) for s in held})
         static = sum(int(costs.static[cuts[s], cuts[s + 1]]) for s in held)
         peaks.append(static + activations + working if held else 0)
     return peaks

@@ -6,7 +6,8 @@ original). ``Allocations``, a dispatch mode, logs every storage created and free
 is active, so the profile can replay the live bytes of any window (a unit's forward or
 backward) and find its peak; it also records the largest operand of ops whose kernels take
 scratch memory that no fake run can see (``WORKSPACE_OPS``, ``scratch_bytes``). ``Precision``, another, follows
-which storages ``torch.autocast`` would hold in its lower precision.
+which storages ``torch.autocast`` would hold in its lower precision. ``WeightedOutputs``, a
+third, adds up the outputs of the ops a trainable parameter enters.
 """
 from __future__ import annotations
 
@@ -131,6 +132,27 @@ class Allocations(TorchDispatchMode):
                 live += delta
                 peak = max(peak, live)
         return peak
+
+
+class WeightedOutputs(TorchDispatchMode):
+    """Bytes of the first new output of every op that reads a trainable parameter (``trainable``:
+    the ids of their storages): what a split backward keeps between its halves, the gradient
+    arriving at each such op (``gems.pipeline.splitgrad``). Views of a parameter (a transposed
+    weight) and in-place updates make no new storage and count nothing."""
+
+    def __init__(self, trainable: set[int]) -> None:
+        super().__init__()
+        self.trainable = trainable
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        operands = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if operands & self.trainable:
+            first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+            if first is not None and id(first.untyped_storage()) not in operands and first.is_floating_point():
+                self.bytes += tensor_bytes(first)
+        return out
 
 
 # How autocast treats the ops a CNN reaches the dispatcher with (its CUDA op lists; nn.Conv2d

@@ -12,6 +12,7 @@ from gems.cli import bench as gems_bench, plan as gems_plan, train as gems_train
 from gems.errors import GemsError
 from gems.partition import plan
 from gems.partition.backward import predicted_step, split_mode
+from gems.partition.profile import profile
 from gems.train.config import TrainConfig
 
 SHAPE = (8, 16, 16)
@@ -144,9 +145,27 @@ def test_gems_train_plans_with_auto():
 
 def test_a_split_plan_that_needs_tile_groups_to_fit_is_no_rival():
     """With --spatial auto the split plan fits only on more ranks (stage 0 tiled): however fast, the
-    plan without the split that fits on K ranks is kept."""
-    plain = three_ways(convs(12), stages=3, m=2)[0]
-    forced, auto = three_ways(convs(12), stages=3, m=2, memory_budget=plain.peak_bytes, spatial="auto")[1:]
+    plan without the split that fits on K ranks is kept. Stage 0 the largest, so that tiling it is
+    what the split needs: the gradients a split keeps between its halves sit in the other stages."""
+    model, profiles = convs(12), {}
+
+    def make(split, **kw):
+        return plan(model, SHAPE, 4, 3, "mast", 2, balance=[8, 2, 2], split_backward=split, profiles=profiles, **kw)
+    plain = make(False)
+    forced, auto = (make(split, memory_budget=plain.peak_bytes, spatial="auto") for split in (True, None))
     assert forced.spatial_grid and forced.fits   # what splitting would take
     assert not auto.split_backward and not auto.spatial_grid and auto.fits
     assert "the split plan fits only on 5 ranks per group (tile groups of 2), the other on 3" in auto.notes[-1]
+
+
+def test_a_split_plan_keeps_the_captured_gradients_of_a_micro_batch_between_its_halves():
+    """1f1b K=2 m=1 split: position 1's micro-batch is alive and, from its input half to its weight
+    half, keeps the gradients the weight half starts from: the estimate adds the profile's
+    ``captured_bytes`` of stage 1's units. Stage 0's input (the image) takes no gradient, so its
+    backward is the weight half alone and keeps none."""
+    model = convs(4)
+    plain, split = (plan(model, SHAPE, 1, 2, "1f1b", 1, balance=[2, 2], split_backward=s) for s in (False, True))
+    captured = sum(u.captured_bytes for u in profile(model, SHAPE, 1).units[2:])
+    assert captured > 0
+    assert split.positions[1].activation_bytes == plain.positions[1].activation_bytes + captured
+    assert split.positions[0].activation_bytes == plain.positions[0].activation_bytes

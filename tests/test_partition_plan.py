@@ -47,7 +47,7 @@ def test_mast_plan_holds_what_the_engine_needs():
         acts = sum(pos.in_flight[s] * p.stage_estimates[s].activation_bytes for s in pos.stages)
         assert pos.peak_bytes == static + acts + pos.transient_bytes + pos.send_bytes
         moments = [sum(n * p.stage_estimates[s].activation_bytes for s, n in live.items())
-                   + p.stage_estimates[stage].transient_bytes for stage, live, _ in moments_of(lists[pos.position])]
+                   + p.stage_estimates[stage].transient_bytes for stage, live, *_ in moments_of(lists[pos.position])]
         assert pos.peak_bytes == static + max(moments) + pos.send_bytes
         # packed copies of sent activations: at least one message, at most all of a step's
         sent = [b for s in pos.stages for _, b in p.stage_estimates[s].sends]

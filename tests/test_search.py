@@ -32,7 +32,7 @@ def test_mast_with_split_backward_beats_chimera_and_zbv(K, m, target):
 def test_the_search_keeps_within_the_memory_bound_and_never_loses_to_the_classic_order(K, m):
     for split in (False, True):
         lists = sch.schedule("mast", K, m, split=split)
-        peak = max(max(sum(live.values()) for _, live, _ in sch.moments(actions)) for actions in lists)
+        peak = max(max(sum(live.values()) for _, live, *_ in sch.moments(actions)) for actions in lists)
         assert peak <= search.memory_bound(K, m)
         classic = search._run("mast", K, m, split, search.Variant("backward-first", 0, None))
         assert simulate.utilization(lists) >= classic.utilization() - 1e-12

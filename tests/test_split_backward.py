@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import gems.pipeline.offload
+from gems import models
+from gems.partition.profile import profile
 from gems.pipeline import ir, schedule as sch
 from gems.pipeline.splitgrad import input_half, weight_half
 from gems.pipeline.validate import validate
@@ -103,7 +105,8 @@ def test_a_weight_gradient_moves_no_message_and_keeps_its_micro_batch_alive():
             assert actions[k - 1].op not in ir.RECVS and (k + 1 == len(actions) or actions[k + 1].op not in ir.SENDS)
     # alive from the forward's start to the weight-gradient's end
     lists = sch.schedule("1f1b", 2, 1, split=True)
-    assert sch.moments(lists[1]) == [(1, {1: 1}, None)]
+    assert sch.moments(lists[1]) == [(1, {1: 1}, None, {}), (1, {1: 1}, None, {1: 1})]
+    # between the halves from the input-gradient's start to the weight-gradient's end
 
 
 SPLIT_LAYOUTS = [("mast", 2, 1, 1), ("mast", 2, 2, 2), ("mast", 3, 2, 1), ("mast", 4, 4, 1), ("mast", 4, 1, 2),
@@ -153,3 +156,21 @@ def test_a_stage_with_no_output_gradients_has_nothing_to_do():
     pending = input_half([], [], [torch.randn(1, 3, requires_grad=True)], list(lin.parameters()))
     weight_half(pending)
     assert lin.weight.grad is None
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 3), (2, 5), (4, 9)])
+def test_the_profile_prices_what_the_input_half_keeps_for_the_weight_half(lo, hi):
+    """resnet18 units [lo, hi) as a stage: the gradients its input half captures for the weight
+    half (distinct storages) are what the profile's ``captured_bytes`` of those units price, or
+    up to 10% less (a residual add hands one gradient tensor to both its branches)."""
+    model, batch, side = models.build("resnet18", num_classes=10), 2, 64
+    priced = sum(u.captured_bytes for u in profile(model, (3, side, side), batch).units[lo:hi])
+    x = torch.randn(batch, 3, side, side)
+    with torch.no_grad():
+        x = model[:lo](x)
+    x.requires_grad_(True)
+    out = model[lo:hi](x)
+    pending = input_half([out], [torch.ones_like(out)], [x], list(model[lo:hi].parameters()))
+    held = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+            for grads in pending.captured.values() for g in grads if g is not None}
+    assert not pending.rest and 0 < sum(held.values()) <= priced <= 1.1 * sum(held.values())

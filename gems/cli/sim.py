@@ -60,7 +60,7 @@ def _utilization(args) -> None:
         lists = sch.schedule(name, K, M, split=split)
         validate(name, K, M, lists)
         variant = sch.variant(name, K, M, split)
-        in_flight = [max(sum(live.values()) for _, live, _ in sch.moments(actions)) for actions in lists]
+        in_flight = [max(sum(live.values()) for _, live, *_ in sch.moments(actions)) for actions in lists]
     value = simulate.utilization(lists)
     result = {"schedule": name, "stages": K, "micro_batches": M, "split_backward": split,
               "utilization": round(value, 6), "order": variant,

@@ -130,42 +130,54 @@ def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
     return points
 
 
-Moment = tuple[int, dict[int, int], "int | None"]
+Moment = tuple[int, dict[int, int], "int | None", dict[int, int]]
 
 
 def moments(actions: list[Action]) -> list[Moment]:
     """Every distinct moment of one position's compute actions, in order: (the stage
     computed, {stage: micro-batches alive}, the stage whose backward is prefetched then or
-    None (``prefetch_points``)).
+    None (``prefetch_points``), {stage: micro-batches between the halves of a split backward}).
 
     A micro-batch is alive on a stage from the start of its forward to the end of its
     backward, or of its weight-gradient when the backward is split (the input-gradient pass keeps
     what the weight-gradient needs; the one computed counts); under ``mast`` both replicas of a shared middle stage
-    count together. A position's memory peaks at one of these moments: the planner prices
-    each as what every live micro-batch keeps plus the working memory of the stage computed,
-    plus what an offloading stage's prefetch brings back early.
+    count together. Between the halves -- from the start of its input-gradient to the end of its
+    weight-gradient -- it also keeps the gradients the weight-gradient starts from. A position's
+    memory peaks at one of these moments: the planner prices each as what every live micro-batch
+    keeps (and every one between the halves), plus the working memory of the stage computed, plus
+    what an offloading stage's prefetch brings back early.
     """
     live: dict[int, int] = {}
+    between: dict[int, int] = {}
     seen: list[Moment] = []
     prefetch = prefetch_points(actions)
+
+    def count(alive: dict[int, int], stage: int, by: int) -> None:
+        alive[stage] = alive.get(stage, 0) + by
+        if not alive[stage]:
+            del alive[stage]
     for i, a in enumerate(actions):
         if a.op not in COMPUTE:
             continue
         if a.op == FORWARD:
-            live[a.stage] = live.get(a.stage, 0) + 1
-        moment = (a.stage, dict(sorted(live.items())), prefetch[i][2] if i in prefetch else None)
+            count(live, a.stage, 1)
+        if a.op == BACKWARD_INPUT:
+            count(between, a.stage, 1)
+        moment = (a.stage, dict(sorted(live.items())), prefetch[i][2] if i in prefetch else None,
+                  dict(sorted(between.items())))
         if moment not in seen:
             seen.append(moment)
         if a.op in (BACKWARD, BACKWARD_WEIGHT):
-            live[a.stage] -= 1
-            if not live[a.stage]:
-                del live[a.stage]
+            count(live, a.stage, -1)
+        if a.op == BACKWARD_WEIGHT:
+            count(between, a.stage, -1)
     return seen
 
 
-def most_alive(position_moments: list[Moment]) -> dict[int, int]:
-    """{stage: most micro-batches of that stage alive at once} over one position's ``moments``."""
-    alive = [live for _, live, _ in position_moments]
+def most_alive(position_moments: list[Moment], between: bool = False) -> dict[int, int]:
+    """{stage: most micro-batches of that stage alive at once} over one position's ``moments``;
+    ``between``: of those between the halves of a split backward instead."""
+    alive = [moment[3] if between else moment[1] for moment in position_moments]
     return {s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})}
 
 

@@ -337,7 +337,7 @@ def _peak_activations(actions: list[sch.Action], activation_bytes: Sequence[int]
     end; one position runs one action at a time, so list order is time order."""
     if activation_bytes is None:
         return 0
-    return max((sum(n * activation_bytes[s] for s, n in live.items()) for _, live, _ in sch.moments(actions)),
+    return max((sum(n * activation_bytes[s] for s, n in live.items()) for _, live, *_ in sch.moments(actions)),
                default=0)
 
 
