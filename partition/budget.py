@@ -49,7 +49,7 @@ def relax(costs: CostModel, cuts: list[int], allowed: list[str], budget: int) ->
             _, activations, transient = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
                                                 {s: c.transient for s, c in parts.items()},
                                                 {s: c.back for s, c in parts.items()},
-                                                {s: costs.between(cuts, s) for s in parts})
+                                                {s: costs.between(cuts, s, options[s][choice[s]][0]) for s in parts})
             if static[p] + activations + transient > budget:
                 return False
         return True

@@ -242,8 +242,12 @@ class CostModel:
         compute = self.policies.compute
         return sum(self.handled(position, s) * (compute[cuts[s + 1]] - compute[cuts[s]]) for s in self.holds(position))
 
-    def between(self, cuts: Sequence[int], s: int) -> int:
-        """Bytes a micro-batch of stage s keeps between the halves of a split backward."""
+    def between(self, cuts: Sequence[int], s: int, policy: StagePolicy | None = None) -> int:
+        """Bytes a micro-batch of stage s keeps between the halves of a split backward; none when
+        ``policy`` recomputes in every forward, whose whole backward then runs in the input half
+        (``gems.pipeline.executor``; a waiting forward alone recomputing still counts)."""
+        if policy is not None and policy.checkpointed(False, cuts[s + 1]):
+            return 0
         return int(self.captured[cuts[s], cuts[s + 1]])
 
     def memory(self, position: int, stage: int) -> np.ndarray:

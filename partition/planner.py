@@ -348,7 +348,7 @@ class _Job:
             held = costs.holds(p)
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
-            between = {s: costs.between(cuts, s) for s in held}
+            between = {s: costs.between(cuts, s, policies[s]) for s in held}
             live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
                                                    {s: on[s][p].transient for s in held},
                                                    {s: on[s][p].back for s in held}, between)

@@ -107,11 +107,8 @@ def unpack(xs: tuple[torch.Tensor, ...]):
 
 def checkpointed_segments(policy: StagePolicy, waiting: bool, end_unit: int) -> list[list[int]]:
     """The recompute segments one forward of a stage ending before unit ``end_unit`` runs
-    under checkpoint: all of them, but the last of an immediate forward when it ends the stage."""
-    segments = [list(seg) for seg in policy.recompute]
-    if not waiting and segments and segments[-1][1] == end_unit:
-        segments.pop()
-    return segments
+    under checkpoint (``StagePolicy.checkpointed``, which the planner reads too)."""
+    return policy.checkpointed(waiting, end_unit)
 
 
 class StageRunner:

@@ -45,6 +45,15 @@ class StagePolicy:
     recompute: list[list[int]] = field(default_factory=list)
     offload: bool = False
 
+    def checkpointed(self, waiting: bool, end_unit: int) -> list[list[int]]:
+        """The recompute segments one forward of the stage ending before unit ``end_unit`` runs
+        under checkpoint: all of them, but the last of an immediate forward when it ends the stage
+        (``gems.pipeline.stage`` says why)."""
+        segments = [list(seg) for seg in self.recompute]
+        if not waiting and segments and segments[-1][1] == end_unit:
+            segments.pop()
+        return segments
+
     @property
     def kind(self) -> str:
         """"none", "recompute", "offload" or "recompute+offload", for tables."""
