@@ -11,8 +11,9 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
    and gems-bench on the same layout for images/s and the bubble.
    gems-train with ``--spatial 2`` at K=1 (each image's tiles on the two ranks: halo exchanges
    and group sums on CUDA), memory per rank against the estimate; mast with split backward,
-   sharded optimizer, recompute and offload together; a U-Net segmentation under mast with a tile
-   group at each end (four ranks).
+   sharded optimizer, recompute and offload, each alone and all together (memory measured
+   against the estimate for each); a U-Net segmentation under mast with a tile group at each end
+   (four ranks).
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
 
 The report (Markdown, and JSON beside it) holds what each part measured, copied from the real
@@ -151,12 +152,16 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list
                    "2", "--steps", "4", *shared], timeout=timeout)
     add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
                   **train_summary(spatial["stdout"])})
-    policies = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
-                    "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
-                    "--micro-batches", "2", "--split-backward", "on", "--shard-optimizer", "--recompute", "all",
-                    "--offload", "all", "--steps", "4", *shared], timeout=timeout)
-    add({"part": "gems-train mast K=2 m=2, split backward, sharded optimizer, recompute + offload everywhere, "
-                 "two ranks on one GPU (MPI)", **policies, **train_summary(policies["stdout"])})
+    # each memory policy alone, then all together: the estimate against CUDA's allocator for each
+    for name, flags in (("split backward", ["--split-backward", "on"]), ("sharded optimizer", ["--shard-optimizer"]),
+                        ("recompute everywhere", ["--recompute", "all"]), ("offload everywhere", ["--offload", "all"]),
+                        ("all four", ["--split-backward", "on", "--shard-optimizer", "--recompute", "all",
+                                      "--offload", "all"])):
+        policies = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
+                        "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
+                        "--micro-batches", "2", *flags, "--steps", "3", *shared], timeout=timeout)
+        add({"part": f"gems-train resnet50 1024² mast K=2 m=2, {name}, two ranks on one GPU (MPI)", **policies,
+             **train_summary(policies["stdout"])})
     unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
                 "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial", "2",
                 "--steps", "4", *shared], timeout=timeout)

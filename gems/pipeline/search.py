@@ -8,7 +8,10 @@ same micro-batches in flight plus one micro-batch (``min(2m, K) + 1`` micro-batc
 on a position), and takes the shortest step (forward 1, backward 2 or input-gradient 1 +
 weight-gradient 1, messages free); ties go to the earlier candidate, and the first is today's
 classic order (backward first, cap ``K - s``). The search is deterministic, so every rank, the
-planner and the simulator derive the same order.
+planner and the simulator derive the same order. The bound counts micro-batches alive, not bytes:
+with the backward split, a micro-batch between its halves also keeps the gradients its weight half
+starts from (about one more activation per layer with parameters), which the planner prices
+(``gems.partition.costs``) but this bound does not see.
 
 Simulated utilization (``gems-sim utilization``), mast, split backward: K=4 m=4 0.960, K=8 m=8
 0.941, K=8 m=4 0.889 -- the bound each position's start-up delay min(p, K-1-p) allows.
