@@ -48,7 +48,8 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 ifneq ($(WHEELS),)
 	$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --prefix $(GPU_PREFIX) $(WHEELS)/*.whl
-	site=$$($(GPU_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib", vars={"base": "$(GPU_PREFIX)", "platbase": "$(GPU_PREFIX)"}))') && \
+	site=$$($(GPU_PY) -c 'import sysconfig; \
+	    print(sysconfig.get_path("purelib", vars={"base": "$(GPU_PREFIX)", "platbase": "$(GPU_PREFIX)"}))') && \
 	PYTHONPATH=$$site$${PYTHONPATH:+:$$PYTHONPATH} GEMS_MPIEXEC=$(GPU_PREFIX)/bin/mpiexec \
 	    MPI4PY_LIBMPI=$(GPU_PREFIX)/lib/libmpi.so.12 \
 	    $(GPU_PY) benchmarks/gpu_check.py --report $(GPU_REPORT) $(GPU_CHECK_ARGS)

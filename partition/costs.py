@@ -109,7 +109,8 @@ def highest(moments: list[schedules.Moment], kept: dict[int, int], transient: di
     backward (none without) -- and the transient bytes then: the stage computed's, plus ``back``
     of the stage whose offloaded tensors its prefetch brings back during it (none without)."""
     back, between = back or {}, between or {}
-    return max(((live, sum(n * kept[s] for s, n in live.items()) + sum(n * between.get(s, 0) for s, n in halves.items()),
+    return max(((live, sum(n * kept[s] for s, n in live.items())
+                 + sum(n * between.get(s, 0) for s, n in halves.items()),
                  transient[stage] + (back.get(early, 0) if early is not None else 0))
                 for stage, live, early, halves in moments),
                key=lambda moment: moment[1] + moment[2])
