@@ -103,6 +103,10 @@ def test_bad_plan_json(tmp_path):
     data["cuts"] = [0, 5, 5, 11]
     with pytest.raises(GemsError, match="non-empty stages"):
         Plan.from_json(json.dumps(data))
+    data = json.loads(plan(toy_model(), SHAPE, 2, 2, schedule="mast").to_json())
+    data["stage_estimates"][1]["unit_names"] = []   # once made the plan's table raise IndexError
+    with pytest.raises(GemsError, match="estimate of stage 1 is not of its units"):
+        Plan.from_json(json.dumps(data))
 
 
 def test_positions_peak_at_a_moment_not_at_the_sum_of_maxima():

@@ -315,6 +315,11 @@ class Plan:
         if len(self.stage_estimates) != K or len(self.positions) != K:
             raise GemsError(f"the plan has {len(self.stage_estimates)} stage and {len(self.positions)} position "
                             f"estimates for {K} stages: regenerate it with gems-plan --json")
+        for s, e in enumerate(self.stage_estimates):
+            lo, hi = self.cuts[s], self.cuts[s + 1]
+            if (e.first_unit, e.end_unit, list(e.unit_names)) != (lo, hi, list(self.unit_names[lo:hi])):
+                raise GemsError(f"the plan's estimate of stage {s} is not of its units {lo}..{hi - 1}: regenerate "
+                                "it with gems-plan --json")
         for s, (shapes, dtypes) in enumerate(zip(self.stage_output_shapes, self.stage_output_dtypes)):
             if (not shapes or len(shapes) != len(dtypes) or any(d < 0 for shape in shapes for d in shape)
                     or not all(_is_dtype(name) for name in dtypes)):
