@@ -189,8 +189,9 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
         if part.get("images_per_s") is not None:
             lines.append(f"- throughput {part['images_per_s']} images/s")
         for mem in part.get("memory", []):
+            off = abs(float(mem["error"].rstrip("%"))) > 10   # the planner's promise: within 10%
             lines.append(f"- rank {mem['rank']}: {mem['measured']} measured, {mem['estimated']} estimated "
-                         f"({mem['error']})")
+                         f"({mem['error']})" + (" **estimate off by more than 10%**" if off else ""))
         for r in part.get("runs", []):
             lines.append(f"- {r['schedule']}: {r['images_per_s']} images/s, bubble {r['bubble']}")
         if part["code"] != 0:
