@@ -341,14 +341,15 @@ class _Job:
                 forward_flops=sum(u.forward_flops for u in part), backward_flops=sum(u.backward_flops for u in part),
                 plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
                 extra_seconds=sum(c.seconds for c in on[s].values()),
-                spatial_seconds=tiles.seconds if tiles and s == 0 else 0.0))
+                spatial_seconds=tiles.seconds if tiles and s == 0 else 0.0,
+                split_bytes=costs.between(cuts, s, policy)))
         positions = []
         sending = self.sending(costs, cuts)
         for p in range(K):
             held = costs.holds(p)
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
-            between = {s: costs.between(cuts, s, policies[s]) for s in held}
+            between = {s: stage_estimates[s].split_bytes for s in held}
             live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
                                                    {s: on[s][p].transient for s in held},
                                                    {s: on[s][p].back for s in held}, between)

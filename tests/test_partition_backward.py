@@ -10,7 +10,7 @@ from torch import nn
 from conftest import cli_cases
 from gems.cli import bench as gems_bench, plan as gems_plan, train as gems_train
 from gems.errors import GemsError
-from gems.partition import plan
+from gems.partition import Plan, plan
 from gems.partition.backward import predicted_step, split_mode
 from gems.partition.profile import profile
 from gems.train.config import TrainConfig
@@ -169,3 +169,5 @@ def test_a_split_plan_keeps_the_captured_gradients_of_a_micro_batch_between_its_
     assert captured > 0
     assert split.positions[1].activation_bytes == plain.positions[1].activation_bytes + captured
     assert split.positions[0].activation_bytes == plain.positions[0].activation_bytes
+    assert [e.split_bytes for e in Plan.from_json(split.to_json()).stage_estimates] == [0, captured]
+    assert "between halves/mb" in split.table() and "between halves/mb" not in plain.table()

@@ -91,6 +91,8 @@ class StageEstimate:
     offload_bytes: int = 0            # sent to the host and back per micro-batch (waiting forwards only)
     extra_seconds: float = 0.0        # time the policy adds per step, over every position running the stage
     spatial_seconds: float = 0.0      # per micro-batch, forward + backward: a spatial part's halos and gather
+    split_bytes: int = 0              # kept per micro-batch between the halves of a split backward: the
+                                      # gradients the weight half starts from (gems.pipeline.splitgrad)
     sends: list[list[int]] = field(default_factory=list)   # [consumer stage, bytes] per message it sends per micro-batch
 
     @property
@@ -108,7 +110,8 @@ class PositionEstimate:
     param_bytes: int
     static_bytes: int                 # parameters + gradients + optimizer state + buffers
     in_flight: dict[int, int]         # stage -> micro-batches whose activations are alive at the peak
-    activation_bytes: int             # then: sum over stages of in_flight * activation bytes
+    activation_bytes: int             # then: sum over stages of in_flight * activation bytes, plus
+                                      # split_bytes per micro-batch between the halves of a split backward
     transient_bytes: int              # then: working memory + what a policy brings back, of the stage computed
     peak_bytes: int                   # static + activations + transient
     flops: int                        # forward FLOPs per step (all micro-batches it runs)

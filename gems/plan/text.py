@@ -23,10 +23,11 @@ def table(plan) -> str:
         *_spatial(plan),
         "",
         _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
-              + ["w/o policy"] * policed + ["output/mb", "GFLOP/mb"],
+              + ["w/o policy"] * policed + ["between halves/mb"] * plan.split_backward + ["output/mb", "GFLOP/mb"],
               [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
                 policy.label, format_size(s.activation_bytes)]
                + [format_size(s.plain_activation_bytes)] * policed
+               + [format_size(s.split_bytes)] * plan.split_backward
                + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
                for s, policy in zip(plan.stage_estimates, plan.policies)]),
         "",
