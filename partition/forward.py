@@ -72,36 +72,38 @@ def _alive(profile: ModelProfile, lo: int, hi: int) -> np.ndarray:
     return alive
 
 
-def send_copies(schedule: str, K: int, m: int, routes: Routes, rows: int, prefetch: int = PREFETCH) -> list[int]:
-    """Per position, the most bytes of packed activation messages a training step may still be
-    sending at one of its computations: a send packs a copy of what the stage keeps anyway
-    (``gems.pipeline.packing``), alive until its receiver has it -- counted, as above, until the
-    receiver's consumption happens-before. (Gradient messages replace the gradients they pack.)"""
-    lists = schedules.schedule(schedule, K, m, routes.skips)
-    alive = _messages_alive(lists, routes.message_bytes(rows), prefetch, at=ir.COMPUTE, kinds=("act",),
-                            posted=False)
+def message_buffers(schedule: str, K: int, m: int, routes: Routes, rows: int, split: bool = False,
+                    prefetch: int = PREFETCH) -> list[int]:
+    """Per position, the most bytes of message buffers a training step may hold at one of its
+    computations beyond what the stages keep anyway: receives posted ahead and not yet consumed
+    (activations and gradients: a consumed one becomes the stage's input, or the gradient its
+    backward starts from, priced there), and packed sends (``gems.pipeline.packing``) alive until
+    their receiver has them -- counted, as above, until the receiver's consumption happens-before:
+    an activation message is a copy of what the stage keeps, a gradient message outlives the
+    backward that made the gradients it packs."""
+    lists = schedules.schedule(schedule, K, m, routes.skips, split)
+    alive = _messages_alive(lists, routes.message_bytes(rows), prefetch, at=ir.COMPUTE)
     return [int(max(per.values(), default=0.0)) for per in alive]
 
 
 def _messages_alive(lists: list[list[ir.Action]], sizes: dict[tuple[int, int], int], prefetch: int,
-                    at: tuple[str, ...] = (ir.FORWARD,), kinds: tuple[str, ...] = ir.MESSAGE_KINDS,
-                    posted: bool = True) -> list[dict[int, float]]:
-    """Per position, per index of an action of kind ``at`` in its list: bytes of messages of
-    ``kinds`` that may be alive then (sends, and with ``posted`` receives posted ahead)."""
+                    at: tuple[str, ...] = (ir.FORWARD,)) -> list[dict[int, float]]:
+    """Per position, per index of an action of kind ``at`` in its list: bytes of messages that may
+    be alive then (sends, and receives posted ahead)."""
     clocks = _clocks(lists)
     consumed_at = {a.message(p): i for p, actions in enumerate(lists)
                    for i, a in enumerate(actions) if a.op in ir.RECVS}
     result = []
     for p, actions in enumerate(lists):
-        receiving = _posted_receives(lists, p, prefetch) if posted else [set() for _ in actions]
+        receiving = _posted_receives(lists, p, prefetch)
         sends = [(j, a.message(p)) for j, a in enumerate(actions) if a.op in ir.SENDS]
         alive: dict[int, float] = {}
         for i, a in enumerate(actions):
             if a.op in at:
                 # a send is done once its consumption happens-before this action (clock > index)
                 sending = sum(sizes[msg.edge] for j, msg in sends
-                              if j < i and msg.kind in kinds and clocks[p][i][msg.dst] <= consumed_at[msg])
-                alive[i] = sum(sizes[msg.edge] for msg in receiving[i] if msg.kind in kinds) + sending
+                              if j < i and clocks[p][i][msg.dst] <= consumed_at[msg])
+                alive[i] = sum(sizes[msg.edge] for msg in receiving[i]) + sending
         result.append(alive)
     return result
 

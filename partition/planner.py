@@ -38,7 +38,7 @@ from gems.spatial.limit import spatial_limit
 from .backward import choose, predicted_step, split_mode
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
-from .forward import forward_bytes, send_copies
+from .forward import forward_bytes, message_buffers
 from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
@@ -312,10 +312,10 @@ class _Job:
                       [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)])
 
     def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
-        """Per position, packed copies of sent activations in flight at most (``send_copies``)."""
-        key = (costs.schedule, costs.K, costs.m, tuple(cuts))
+        """Per position, message buffers beyond the stages' own tensors at most (``message_buffers``)."""
+        key = (costs.schedule, costs.K, costs.m, tuple(cuts), costs.split)
         if key not in self._sending:
-            self._sending[key] = send_copies(*key[:3], self.edges(cuts), self.prof.micro_batch_size)
+            self._sending[key] = message_buffers(*key[:3], self.edges(cuts), self.prof.micro_batch_size, costs.split)
         return self._sending[key]
 
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,

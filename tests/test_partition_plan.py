@@ -49,9 +49,12 @@ def test_mast_plan_holds_what_the_engine_needs():
         moments = [sum(n * p.stage_estimates[s].activation_bytes for s, n in live.items())
                    + p.stage_estimates[stage].transient_bytes for stage, live, *_ in moments_of(lists[pos.position])]
         assert pos.peak_bytes == static + max(moments) + pos.send_bytes
-        # packed copies of sent activations: at least one message, at most all of a step's
+        # message buffers (sends still under way, receives posted ahead): at least one sent
+        # activation, at most every message of a step (activations and gradients, 2 micro-batches,
+        # 2 replicas) sent or received
         sent = [b for s in pos.stages for _, b in p.stage_estimates[s].sends]
-        assert (min(sent) if sent else 0) <= pos.send_bytes <= 2 * 2 * sum(sent)
+        received = sum(p.stage_estimates[s].input_bytes for s in pos.stages)
+        assert (min(sent) if sent else 0) <= pos.send_bytes <= 2 * 2 * 2 * (sum(sent) + received)
     middle = p.positions[1]
     assert middle.stages == [1] and middle.in_flight[1] == flights[1][1]   # one shared copy
     assert p.imbalance >= 1.0 and p.fits is None

@@ -120,7 +120,8 @@ class PositionEstimate:
     recompute_flops: int = 0          # forward FLOPs re-run per step by recomputation
     seconds: float = 0.0              # forward + backward + policies per step, at Plan.flops_per_second
     extra_seconds: float = 0.0        # of which the policies
-    send_bytes: int = 0               # packed copies of activations still being sent, at most (in peak_bytes)
+    send_bytes: int = 0               # message buffers at most (in peak_bytes): receives posted ahead, packed
+                                      # copies of activations still being sent
     member_peak_bytes: int = 0        # a tile group's other ranks' peak (0: not a tile group, or an older plan)
 
 
