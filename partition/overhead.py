@@ -10,16 +10,16 @@ room for:
 * NCCL's buffers (``--comm torch``): every communicator a rank takes part in allocates its
   own, for every channel it opens; more channels on faster links (NVLink, H100) mean more.
 
-Both are measured constants, not derived, and approximate: the figures below come from
-public measurements, not from a GPU run of gems. ``make gpu-check`` should re-measure them
-(``torch.cuda.mem_get_info`` against ``torch.cuda.memory_reserved`` after a first step) and
-replace them here.
+Both are measured constants, not derived, and approximate. ``make gpu-check`` re-measures the
+context (``torch.cuda.mem_get_info`` against ``torch.cuda.memory_reserved`` after the steps of its
+memory tests: "outside_allocator" in its report); NCCL's figure is still from public reports.
 
-* ``CUDA_CONTEXT_BYTES``: 287 MB for a first CUDA tensor with lazy loading vs 667 MB without
-  (pytorch/pytorch#86509, 2022); "around 400MB if CUDA >= 11.7 is used and lazy module loading
-  enabled" (pytorch/pytorch#109888); 426 MiB on an RTX 6000 Ada with torch 2.10 + CUDA 13.0
-  (unslothai/unsloth-zoo#1053). A training step loads convolution, batch-norm and GEMM kernels
-  and cuBLAS/cuDNN workspaces on top: 512 MiB, rounded up.
+* ``CUDA_CONTEXT_BYTES``: measured by ``make gpu-check`` on an H200 (torch 2.11.0+cu130, CUDA
+  13.0, 2026-11-26): 808255488 bytes (770.8 MiB) outside the caching allocator after resnet50
+  training steps at 1024^2 and 2048^2 (the context with the convolution, batch-norm and GEMM
+  kernels loaded, and cuBLAS/cuDNN's handles). Public figures are lower because they load less:
+  287 MB for a first CUDA tensor with lazy loading (pytorch/pytorch#86509), 426 MiB on an RTX
+  6000 Ada with torch 2.10 + CUDA 13.0 (unslothai/unsloth-zoo#1053). 771 MiB.
 * ``NCCL_COMMUNICATOR_BYTES``: 544 MB for a communicator of two A100s over NVLink and 688 MB
   for one of more (NVIDIA/nccl#964, torch frontend, one 4 MB allreduce each); memory grows
   linearly with the channels and with each communicator, more on H100 NVLink than on PCIe
@@ -33,7 +33,7 @@ from __future__ import annotations
 from gems.pipeline import schedule as schedules
 from gems.pipeline.topology import Topology
 
-CUDA_CONTEXT_BYTES = 512 * 2**20
+CUDA_CONTEXT_BYTES = 771 * 2**20
 NCCL_COMMUNICATOR_BYTES = 688 * 2**20
 COMMS = ("mpi", "torch")
 

@@ -275,7 +275,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         options.append((*_cut(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
-        # packed copies of sent activations depend on the cuts alone: the policies must fit beside them
+        # message buffers depend on the cuts (and the schedule) alone: the policies must fit beside them
         chosen = relax(costs, option_cuts, allowed, job.room - max(job.sending(costs, option_cuts)))
         if chosen is not None:
             found.append(job.assemble(costs, option_cuts, option_loads, option_by, chosen))

@@ -18,6 +18,7 @@ from gems.models import build
 from gems.partition import plan, profile
 from gems.partition.calibrate import Calibration, calibrate
 from gems.partition.overhead import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
+from gems.units import format_size
 from gems.plan import Plan
 
 CUDA = torch.device("cuda")
@@ -130,7 +131,8 @@ def test_overhead_is_reported_apart_for_cuda_only(resnet):
     assert plain.device_overhead == {} == cpu.device_overhead
     for p in (torch_, mpi, cpu):   # the tensor estimates do not move
         assert [q.peak_bytes for q in p.positions] == [q.peak_bytes for q in plain.positions]
-    assert ("besides tensors, each rank holds 2.52 GiB on its GPU: CUDA context 512.00 MiB, "
+    total = format_size(CUDA_CONTEXT_BYTES + 3 * NCCL_COMMUNICATOR_BYTES)
+    assert (f"besides tensors, each rank holds {total} on its GPU: CUDA context {format_size(CUDA_CONTEXT_BYTES)}, "
             "3 NCCL communicators 2.02 GiB (measured constants: gems.partition.overhead)") in torch_.table()
     assert "besides tensors" not in plain.table() and "besides tensors" not in cpu.table()
     assert "device_overhead" not in plain.to_json() and "amp" not in json.loads(plain.to_json())
@@ -144,9 +146,10 @@ def test_overhead_counts_against_the_budget_on_cuda(resnet):
     assert plan(resnet, **args, memory_budget=budget).fits
     assert plan(resnet, **args, memory_budget=budget, comm="mpi", device="cpu").fits
     over = plan(resnet, **args, memory_budget=budget, comm="mpi")
-    assert over.fits is False and "plus 512.00 MiB besides tensors, over the budget" in over.table()
+    context = format_size(CUDA_CONTEXT_BYTES)
+    assert over.fits is False and f"plus {context} besides tensors, over the budget" in over.table()
     fits = plan(resnet, **args, memory_budget=peak + CUDA_CONTEXT_BYTES, comm="mpi")
-    assert fits.fits and ", plus 512.00 MiB besides tensors, is within the budget" in fits.table()
+    assert fits.fits and f", plus {context} besides tensors, is within the budget" in fits.table()
     with pytest.raises(GemsError, match="leaves nothing for tensors .* raise --memory-budget"):
         plan(resnet, **args, memory_budget="1GiB", comm="torch")
 
