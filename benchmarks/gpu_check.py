@@ -77,13 +77,13 @@ def command(name: str) -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", module]
 
 
-CWD = [REPO]   # the children's working folder (importable_gems's choice)
+CHILD_CWD = REPO   # the children's working folder: importable_gems's choice, set by main
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     start = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=CWD[0], capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(cmd, cwd=CHILD_CWD, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         code, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
@@ -110,8 +110,8 @@ def environment() -> dict:
 
 def gpu_tests(figures_file: Path, timeout: float) -> dict:
     result = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
-                  str(REPO / "tests" / "test_gpu.py")], timeout=timeout, env={"GEMS_GPU_REPORT": str(figures_file),
-                                        "GEMS_GPU_TEST_TIMEOUT": str(max(30.0, timeout / 3))})
+                  str(REPO / "tests" / "test_gpu.py")], timeout=timeout,
+                 env={"GEMS_GPU_REPORT": str(figures_file), "GEMS_GPU_TEST_TIMEOUT": str(max(30.0, timeout / 3))})
     lines = figures_file.read_text().splitlines() if figures_file.exists() else []
     result["figures"] = [json.loads(line) for line in lines]
     summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped).*?) in [\d.]+s", result["stdout"], re.M)
@@ -151,7 +151,7 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list
     spatial = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT[:-1], "1", "--schedule", "mp", "--spatial",
                    "2", "--steps", "4", *shared], timeout=timeout)
     add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
-                  **train_summary(spatial["stdout"])})
+         **train_summary(spatial["stdout"])})
     # each memory policy alone, then all together: the estimate against CUDA's allocator for each
     for name, flags in (("split backward", ["--split-backward", "on"]), ("sharded optimizer", ["--shard-optimizer"]),
                         ("recompute everywhere", ["--recompute", "all"]), ("offload everywhere", ["--offload", "all"]),
@@ -170,8 +170,7 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list
     if gpus >= 2:
         nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
                     "--comm", "torch", "--workers", "0", "--no-progress"], timeout=timeout)
-        add({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl,
-                      **train_summary(nccl["stdout"])})
+        add({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl, **train_summary(nccl["stdout"])})
     return parts
 
 
@@ -200,6 +199,7 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CHILD_CWD
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", default="gpu-check-report.md", help="the Markdown report (JSON beside it)")
     p.add_argument("--timeout", type=float, default=1800,
@@ -213,17 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = Path(args.report)
 
-    def write(info: dict, tests: dict, parts: list[dict]) -> None:
-        """The report as it stands, rewritten after every part, and that part's section printed."""
+    def write(info: dict, tests: dict, parts: list[dict], echo: bool = True) -> None:
+        """The report as it stands, rewritten after every part, and (``echo``) that part's section printed."""
         report.write_text(markdown(info, tests, parts), encoding="utf-8")
         report.with_suffix(".json").write_text(json.dumps({"machine": info, "tests": tests, "parts": parts},
                                                           indent=2), encoding="utf-8")
-        latest = markdown(info, tests, parts[-1:]).split("\n## ")[-1]
-        print("## " + latest, flush=True)
+        if echo:
+            print("## " + markdown(info, tests, parts[-1:]).split("\n## ")[-1], flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        env, CWD[0] = importable_gems(work)
+        env, CHILD_CWD = importable_gems(work)
         os.environ.update(env)   # the children inherit it
         info = environment()
         tests = gpu_tests(work / "figures.jsonl", args.timeout)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                           lambda parts: write(info, tests, parts)) if mpiexec else [
             {"part": "gems-train / gems-bench", "command": "(skipped)", "code": "no MPI", "seconds": 0,
              "stdout": "", "stderr": f"mpi4py has no MPI library here ({info['mpi']}); see README 'GPU check'"}]
-        write(info, tests, parts)
+        write(info, tests, parts, echo=not mpiexec)   # each launched part was printed as it ended
     failed = [part["part"] for part in parts if part["code"] != 0] + (["tests"] if tests["code"] != 0 else [])
     print(f"gpu-check: report in {report} and {report.with_suffix('.json')}"
           + (f"; failed: {', '.join(failed)}" if failed else "; every part passed"))
