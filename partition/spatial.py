@@ -76,11 +76,11 @@ class Tiling:
     grid: tuple[int, int]
     end: int
     halo: list[int]        # per unit (0 for an untiled one)
+    copies: list[tuple[int, int]]   # per unit, the most bytes its windows' copies of a tile hold,
+                                    # (forward, backward) (``Window.copies``)
     gather: int
     messages: int          # halo, gather and scatter messages of one rank per forward
     start: int = 0
-    copies: list[tuple[int, int]] | None = None   # per unit, the most bytes its windows' copies of a tile
-                                                  # hold, (forward, backward) (``Window.copies``)
 
     @property
     def tiles(self) -> int:
@@ -123,8 +123,8 @@ def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, su
     # gathered at the end, and with a suffix scattered at its start and the model's output gathered
     moved = [int(boundary[end])] + ([int(boundary[suffix.first]), prof.units[-1].output_bytes] if suffix else [])
     gather = sum((P - 1) * _share(b, P) for b in moved)
-    return Tiling(tuple(grid), end, halo, gather, messages + (P - 1) * len(moved), suffix.first if suffix else 0,
-                  copies)
+    return Tiling(tuple(grid), end, halo, copies, gather, messages + (P - 1) * len(moved),
+                  suffix.first if suffix else 0)
 
 
 def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelProfile:
@@ -146,11 +146,10 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
             moving[start] += (P - 1) * _share(int(boundary[start]), P)
             moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
     untiled = (lambda u: replace(u, **dict.fromkeys(_HELD, 0))) if member else (lambda u: u)
-    copies = t.copies or [(0, 0)] * len(prof)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
-                     forward_working=_share(u.forward_working, P) + t.halo[i] + copies[i][0] + moving[i],
-                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + copies[i][1] + moving[i],
-                     eval_working=_share(u.eval_working, P) + t.halo[i] + copies[i][0] + moving[i],
+                     forward_working=_share(u.forward_working, P) + t.halo[i] + t.copies[i][0] + moving[i],
+                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + t.copies[i][1] + moving[i],
+                     eval_working=_share(u.eval_working, P) + t.halo[i] + t.copies[i][0] + moving[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P),
                      captured_bytes=_share(u.captured_bytes, P))
              if t.tiled(i) else untiled(u) for i, u in enumerate(prof.units)]
