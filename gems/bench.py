@@ -325,7 +325,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
                            input_share=share)
     unsharded = max(sharers[rank] * t for rank, t in steps.items())
     predicted = simulate.simulate(name, K, m, costs, network, groups, unsharded, plan.split_backward,
-                                  plan.shard_optimizer).step_time
+                                  plan.shard_optimizer, plan.order).step_time
     step = statistics.median(step_times)
     return ScheduleResult(
         schedule=name, groups=groups, micro_batches=m, micro_batch_size=plan.micro_batch_size, cuts=list(plan.cuts),

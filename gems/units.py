@@ -62,3 +62,8 @@ def format_size(nbytes: float) -> str:
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def format_ms(seconds: float) -> str:
+    """``seconds`` in milliseconds to four significant digits: "582 ms", "0.004949 ms"."""
+    return f"{seconds * 1e3:.4g} ms"

@@ -26,7 +26,7 @@ from gems.errors import GemsError
 from gems.pipeline.simulate import IDEAL, costs_from_plan, simulate
 from gems.pipeline.topology import ranks_per_group
 from gems.plan import Plan
-from gems.units import format_size
+from gems.units import format_ms, format_size
 
 # The words of --split-backward, and what plan(split_backward=...) makes of each (None: auto).
 SPLIT_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
@@ -49,7 +49,7 @@ def predicted_step(plan: Plan, costs=None) -> float:
     its sustained rate (or ``costs``), every policy and spatial part counted, the network free."""
     costs = costs_from_plan(plan, plan.flops_per_second, 1.0) if costs is None else costs
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs, IDEAL, plan.groups,
-                    split=plan.split_backward).step_time
+                    split=plan.split_backward, order=plan.order).step_time
 
 
 def choose(planned: Callable[[bool], tuple[Plan, str]]) -> tuple[Plan, str]:
@@ -71,7 +71,7 @@ def _better(plain: Plan, split: Plan) -> tuple[Plan, str]:
     """The plan to keep of the two, and the note saying why. A plan on more ranks (``--spatial
     auto`` tiled it to fit) is no rival to one on fewer, however fast."""
     t_plain, t_split = predicted_step(plain), predicted_step(split)
-    times = f"predicted step {_ms(t_split)} split, {_ms(t_plain)} not split (network not counted)"
+    times = f"predicted step {format_ms(t_split)} split, {format_ms(t_plain)} not split (network not counted)"
     fits_plain, fits_split = plain.fits is not False, split.fits is not False
     ranks_plain, ranks_split = _ranks(plain), _ranks(split)
     if fits_split and (not fits_plain or ranks_split < ranks_plain):
@@ -99,7 +99,3 @@ def _better(plain: Plan, split: Plan) -> tuple[Plan, str]:
 def _ranks(plan: Plan) -> int:
     """Ranks of one group: K, and P - 1 more at each position that is a tile group."""
     return ranks_per_group(plan.stages, plan.schedule, plan.tiles, bool(plan.spatial_start))
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g} ms"

@@ -156,14 +156,17 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, schedule: str, K: int, micro_batches: int,
                  unit_times: Sequence[float] | None = None, policies: PolicyModel | None = None,
-                 kind: str = "none", split: bool = False, spatial_end: int = 0, spatial_start: int = 0) -> None:
+                 kind: str = "none", split: bool = False, spatial_end: int = 0, spatial_start: int = 0,
+                 order: str = "") -> None:
         self.profile, self.schedule, self.K, self.m = profile, schedule, K, micro_batches
         self.spatial_end = spatial_end   # stage 0 must hold units [0, spatial_end): a spatial part (0: none)
         self.spatial_start = spatial_start   # the last stage must hold units [spatial_start, n): a suffix (0: none)
         self.split = split   # backward split into input and weight halves (gems.pipeline.splitgrad)
+        self.order = order   # the schedule search's variant (Plan.order; empty: its choice on equal costs)
+        self.unit_times = unit_times
         self.policies, self.kind = policies, kind
         self.mirror = schedules.replicas(schedule) == 2
-        lists = schedules.schedule(schedule, K, micro_batches, split=split)
+        lists = schedules.schedule(schedule, K, micro_batches, split=split, order=order)
         self.moments = [schedules.moments(actions) for actions in lists]
         self.host_moments = [host_moments(actions) for actions in lists]
         self.in_flight = [schedules.most_alive(moments) for moments in self.moments]
@@ -194,6 +197,11 @@ class CostModel:
             self.time = _segments(np.concatenate([[0.0], np.cumsum(forward + backward)]))
             self.forward_time = _segments(np.concatenate([[0.0], np.cumsum(forward)]))
             self.time_unit = "s"
+
+    def reordered(self, order: str) -> CostModel:
+        """These costs under another order of the schedule search (``Plan.order``)."""
+        return CostModel(self.profile, self.schedule, self.K, self.m, self.unit_times, self.policies, self.kind,
+                         self.split, self.spatial_end, self.spatial_start, order)
 
     def holds(self, position: int) -> list[int]:
         """Stages a position holds (mirrored: p and K-1-p), per ``gems.pipeline.schedule.holds``."""

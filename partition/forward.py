@@ -38,7 +38,7 @@ from .records import ModelProfile
 
 
 def forward_bytes(profile: ModelProfile, schedule: str, K: int, m: int, cuts: list[int], routes: Routes,
-                  prefetch: int = PREFETCH) -> list[int]:
+                  prefetch: int = PREFETCH, order: str = "") -> list[int]:
     """Per position, the most a forward-only step holds beyond static memory, per micro-batch of
     the profile's size: working memory of the forward running plus the messages alive then
     (``routes``: the plan's edges, skip connections included, whose packed buffers they are)."""
@@ -51,7 +51,7 @@ def forward_bytes(profile: ModelProfile, schedule: str, K: int, m: int, cuts: li
             work += 2 * profile.units[-1].output_bytes   # the scores on the model's output
         working.append(work)
     sizes = routes.message_bytes(profile.micro_batch_size)            # per edge
-    lists = schedules.forward_only(schedule, K, m, routes.skips)
+    lists = schedules.forward_only(schedule, K, m, routes.skips, order)
     alive = _messages_alive(lists, sizes, prefetch)
     return [int(max(((alive[p][i] + working[a.stage]) for i, a in enumerate(actions) if a.op == ir.FORWARD),
                     default=0.0))
@@ -73,7 +73,7 @@ def _alive(profile: ModelProfile, lo: int, hi: int) -> np.ndarray:
 
 
 def message_buffers(schedule: str, K: int, m: int, routes: Routes, rows: int, split: bool = False,
-                    prefetch: int = PREFETCH) -> list[int]:
+                    prefetch: int = PREFETCH, order: str = "") -> list[int]:
     """Per position, the most bytes of message buffers a training step may hold at one of its
     computations beyond what the stages keep anyway: receives posted ahead and not yet consumed
     (activations and gradients: a consumed one becomes the stage's input, or the gradient its
@@ -81,7 +81,7 @@ def message_buffers(schedule: str, K: int, m: int, routes: Routes, rows: int, sp
     their receiver has them -- counted, as above, until the receiver's consumption happens-before:
     an activation message is a copy of what the stage keeps, a gradient message outlives the
     backward that made the gradients it packs."""
-    lists = schedules.schedule(schedule, K, m, routes.skips, split)
+    lists = schedules.schedule(schedule, K, m, routes.skips, split, order)
     alive = _messages_alive(lists, routes.message_bytes(rows), prefetch, at=ir.COMPUTE)
     return [int(max(per.values(), default=0.0)) for per in alive]
 

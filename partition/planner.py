@@ -40,11 +40,13 @@ from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .forward import forward_bytes, message_buffers
 from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
+from .order import fastest_order
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
 from .profile import OPTIMIZER_STATE, profile
 from .records import ModelProfile
-from .solver import cuts_from_balance, evaluate, solve
+from .cuts import balanced_cuts
+from .solver import cuts_from_balance
 from .request import dtype_of, input_shape_of, positive_int
 from .spatial import AUTO_TILES, Suffixes, Tiling, member_peaks, parse_spatial, search, tiled_profile, tiled_times
 
@@ -186,11 +188,16 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
         costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split,
                           job.tiling.end if job.tiling else 0, job.tiling.start if job.tiling else 0)
-        found, loads = _cut(costs, balance_by, cuts)
+        found, loads = balanced_cuts(costs, balance_by, cuts)
         made = job.assemble(costs, found, loads, balance_by, _uniform(job.policies, costs, found, allowed[0]))
         if budget is not None and not made.fits and len(allowed) > 1:
             made = _fit(job, costs, found, loads, balance_by, allowed, recut=balance is None)
-        return made
+
+        def reordered(order: str) -> Plan:   # made's cuts and policies under another order of the search
+            again = costs.reordered(order)
+            return job.assemble(again, made.cuts, balanced_cuts(again, made.balance_by, made.cuts)[1], made.balance_by,
+                                made.policies)
+        return fastest_order(made, reordered)
 
     plain = job(None)
 
@@ -226,38 +233,6 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     return result
 
 
-def _cut(costs: CostModel, balance_by: str, cuts: list[int] | None = None) -> tuple[list[int], list[float]]:
-    """The balanced cuts (unless given) and every position's load under ``balance_by``."""
-    cost, transient, remainder = costs.objective(balance_by)
-    if cuts is None:
-        tied = _tie_broken(cost, costs.profile.boundary_bytes())
-        cuts = solve(len(costs.profile), costs.K, tied, transient, costs.mirror, remainder=remainder).cuts
-    return cuts, evaluate(cuts, cost, transient, costs.mirror)
-
-
-# Cuts of equal load are common (under mast K = 2 every cut loads both positions alike) and the
-# solver takes the first it meets. A cost of this fraction of the largest, in proportion to the
-# bytes alive at a stage's two ends, makes it take the cut with less to send and hold instead;
-# loads are then evaluated with the true costs.
-TIE_BREAK = 1e-5
-
-
-def _tie_broken(cost, crossing: np.ndarray):
-    """``cost`` plus the tie-break on the bytes ``crossing`` each unit boundary; the same matrix
-    object for the same one given (the solver processes each distinct matrix once)."""
-    ends = crossing[:, None] + crossing[None, :]
-    made: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def tied(p: int, s: int) -> np.ndarray:
-        matrix = cost(p, s)
-        if id(matrix) not in made:
-            finite = np.asarray(matrix, dtype=np.float64)[np.isfinite(matrix)]
-            scale = TIE_BREAK * (float(finite.max()) if finite.size else 0.0) / max(float(ends.max()), 1.0)
-            made[id(matrix)] = (matrix, matrix + scale * ends)
-        return made[id(matrix)][1]
-    return tied
-
-
 def _uniform(policies: PolicyModel, costs: CostModel, cuts: list[int], kind: str) -> list[StagePolicy]:
     """``kind`` on every stage, recompute segments chosen per stage."""
     return [policies.choose(kind, cuts[s], cuts[s + 1], costs.holders(s)) for s in range(costs.K)]
@@ -272,7 +247,7 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
     if recut:
         lean = CostModel(costs.profile, costs.schedule, costs.K, costs.m, None, job.policies, allowed[-1],
                          costs.split, costs.spatial_end, costs.spatial_start)
-        options.append((*_cut(lean, "memory"), "memory"))
+        options.append((*balanced_cuts(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
         # message buffers depend on the cuts (and the schedule) alone: the policies must fit beside them
@@ -313,9 +288,10 @@ class _Job:
 
     def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
         """Per position, message buffers beyond the stages' own tensors at most (``message_buffers``)."""
-        key = (costs.schedule, costs.K, costs.m, tuple(cuts), costs.split)
+        key = (costs.schedule, costs.K, costs.m, tuple(cuts), costs.split, costs.order)
         if key not in self._sending:
-            self._sending[key] = message_buffers(*key[:3], self.edges(cuts), self.prof.micro_batch_size, costs.split)
+            self._sending[key] = message_buffers(*key[:3], self.edges(cuts), self.prof.micro_batch_size, costs.split,
+                                                 order=costs.order)
         return self._sending[key]
 
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
@@ -383,9 +359,9 @@ class _Job:
             imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
             device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
             device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
-            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges),
+            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges, order=costs.order),
             routes=edges.routes, split_backward=costs.split,
-            order=schedules.variant(costs.schedule, K, costs.m, costs.split),
+            order=costs.order or schedules.variant(costs.schedule, K, costs.m, costs.split),
             spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0,
             spatial_start=tiles.start if tiles else 0)
         policed = any(p.kind != "none" for p in policies)

@@ -173,7 +173,7 @@ def member_peaks(member: PolicyModel, leader: CostModel, cuts: Sequence[int], po
     member runs the forwards and backwards of the stages with tiled units in its leader's order."""
     stages = [0, leader.K - 1] if t.start else [0]
     costs = CostModel(member.profile, leader.schedule, leader.K, leader.m, None, member, leader.kind, leader.split,
-                      leader.spatial_end, leader.spatial_start)
+                      leader.spatial_end, leader.spatial_start, leader.order)
     peaks = []
     for p in range(costs.K):
         held = [s for s in costs.holds(p) if s in stages]

@@ -90,14 +90,17 @@ _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partiti
 
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
-              batch: int | None = None, split: bool | None = False, shard: bool = False) -> partition.Plan:
-    """The plan of ``build(kind)`` for this layout, every stage under ``policy``. Profiles with
-    fake tensors (each micro-batch size once per kind): call it in the main thread."""
+              batch: int | None = None, split: bool | None = False, shard: bool = False,
+              order: str = "") -> partition.Plan:
+    """The plan of ``build(kind)`` for this layout, every stage under ``policy`` (and the schedule
+    search's ``order`` when given). Profiles with fake tensors (each micro-batch size once per
+    kind): call it in the main thread."""
     batch = batch_size(schedule, m, D) if batch is None else batch
     plan = partition.plan(build(kind), input_shape=(3, side, side), batch_size=batch, stages=K,
                           schedule=schedule, micro_batches=m, groups=D, split_backward=split, shard_optimizer=shard,
                           profiles=_PROFILES.setdefault((kind, side), {}))
     plan.policies = policies(policy, plan.cuts)
+    plan.order = order or plan.order
     return plan
 
 
@@ -170,6 +173,7 @@ class Result:
     applied: list[bool]
     grad_norm: float | None
     steps: int
+    computed: list[tuple[str, int, int, int]]   # this rank's compute actions in order (op, replica, micro, stage)
 
 
 def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: int = SIDE,
@@ -190,7 +194,8 @@ def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: 
                   calls=calls, expected_calls=expected_unit_calls(engine),
                   offloaded=sum(o.bytes for o in offloads), fetched_back=not any(o.saved for o in offloads),
                   waiting=[plan.cuts[a.stage + 1] - plan.cuts[a.stage] for a in sch.waiting_forwards(engine.actions)],
-                  applied=applied, grad_norm=engine.last_grad_norm, steps=len(indices))
+                  applied=applied, grad_norm=engine.last_grad_norm, steps=len(indices),
+                  computed=[(a.op, a.replica, a.micro, a.stage) for a in engine.actions if a.op in sch.COMPUTE])
 
 
 # ---------------------------------------------------------------- comparisons
@@ -267,11 +272,11 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
 
 
 def per_rank(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE,
-             policy: str = "none", split: bool | None = False,
-             shard: bool = False) -> tuple[list[nn.Sequential], list[partition.Plan]]:
+             policy: str = "none", split: bool | None = False, shard: bool = False,
+             order: str = "") -> tuple[list[nn.Sequential], list[partition.Plan]]:
     """For each of the K x D loopback ranks, its own copy of ``build(kind)`` and of the plan,
     made here in the calling (main) thread: rank r trains ``copies[r]`` under ``plans[r]``."""
-    model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard)
+    model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard, order=order)
     return [copy.deepcopy(model) for _ in range(K * D)], [copy.deepcopy(plan) for _ in range(K * D)]
 
 
@@ -282,12 +287,12 @@ def _rank(comm, models_: list[nn.Sequential], plans: list, steps, side: int, cli
 def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | tuple[int, ...] = 3,
                  rtol: float = 1e-5, clip: float | None = None, side: int = SIDE, policy: str = "none",
                  semantics: str = "mpi", timeout: float = 20.0, split: bool | None = False,
-                 shard: bool = False) -> list[Result]:
+                 shard: bool = False, order: str = "") -> list[Result]:
     """Train on K x D loopback ranks (threads) and check, as ``run`` does: the recompute rule on
     every rank; every copy identical ("batchnorm"), else the reference's state and losses
     (rank 0's, and every rank reports the same losses). Returns every rank's Result; raises
     Mismatch, or what a rank raised (loopback.Deadlock when the ranks cannot progress)."""
-    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard)
+    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order)
     results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, semantics=semantics, timeout=timeout)
     chosen = "auto, " * (split is None) + ("split backward" if plans[0].split_backward else "not split")
     where = describe(kind, schedule, K, D, m, clip, policy) + f" ({semantics}, {chosen})"

@@ -48,7 +48,7 @@ ALLOWED = {
 }
 # The planner may use the pipeline's pure parts only (never the executor or the engine).
 PURE = {"gems.pipeline.ir", "gems.pipeline.schedule", "gems.pipeline.validate",   # schedule modules: no torch
-        "gems.pipeline.simulate", "gems.pipeline.topology", "gems.pipeline.posting"}
+        "gems.pipeline.simulate", "gems.pipeline.topology", "gems.pipeline.posting", "gems.pipeline.search"}
 # and the message layouts, so the planner prices the very buffers the runtime packs
 PARTITION_MAY_USE = PURE | {"gems.pipeline.routes", "gems.pipeline.packing"}
 MAX_LINES, ENGINE_MAX_LINES = 400, 300

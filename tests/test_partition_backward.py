@@ -11,7 +11,7 @@ from conftest import cli_cases
 from gems.cli import bench as gems_bench, plan as gems_plan, train as gems_train
 from gems.errors import GemsError
 from gems.partition import Plan, plan
-from gems.partition.backward import predicted_step, split_mode
+from gems.partition.backward import TIE, predicted_step, split_mode
 from gems.partition.profile import profile
 from gems.train.config import TrainConfig
 
@@ -47,10 +47,10 @@ def test_auto_splits_where_the_simulator_predicts_a_shorter_step():
 
 @pytest.mark.parametrize("stages, m", [(2, 1), (2, 2)])
 def test_auto_keeps_the_plain_plan_where_splitting_is_no_faster(stages, m):
-    """mast K = 2, m = 1: the same step either way (a tie: the simpler plan); m = 2: the split order
-    is slower."""
+    """mast K = 2, m = 1 and m = 2: the same step either way (a tie: the simpler plan; at m = 2 the
+    split plan's own order, ``Plan.order``, catches up with the unsplit one)."""
     plain, split, auto = three_ways(convs(8), stages, m)
-    assert predicted_step(split) >= predicted_step(plain)
+    assert predicted_step(split) >= predicted_step(plain) * (1 - TIE)
     assert not auto.split_backward and auto.cuts == plain.cuts
     assert auto.notes[-1].startswith("backward not split (--split-backward auto): splitting is no faster; "
                                      "predicted step ")

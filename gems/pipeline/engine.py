@@ -111,7 +111,7 @@ class Engine:
         self.topology = Topology.of(plan, comm.size)
         self.group, self.position, self.tile = self.topology.place(comm.rank)   # tile > 0: a tile group's member
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
-        lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward)
+        lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward, plan.order)
         tiles = tile_groups(comm, self.topology, plan.spatial_grid)   # gems.pipeline.tiled
         member_stages = set(self.topology.stages_of(comm.rank)) if self.tile else set()
         self.actions = member_actions(lists[self.position], member_stages) if self.tile else lists[self.position]

@@ -39,7 +39,7 @@ class Forwards:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
-        lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips)
+        lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips, plan.order)
         self.member = member   # a tile group's member: its tiled stages' forwards only (gems.pipeline.tiled)
         self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
         self.actions = member_actions(lists[position], set(runners)) if member else lists[position]

@@ -73,7 +73,7 @@ def holds(name: str, K: int, position: int) -> list[int]:
 
 
 def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (),
-             split: bool = False) -> list[list[Action]]:
+             split: bool = False, order: str = "") -> list[list[Action]]:
     """Per position, the ordered actions of one training step.
 
     ``skips``: edges ``(i, j)``, j > i + 1, on which stage i sends tensors straight to stage j
@@ -82,11 +82,13 @@ def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (
     only on computations its neighbour messages already wait on, so skips add no deadlock.
     ``split``: each backward becomes an input-gradient and a later weight-gradient action
     (``gems.pipeline.ordering``), which the order places into bubbles. Each stage's gradients
-    start their reduce as soon as its last backward is done (``lowering.place_reduces``)."""
+    start their reduce as soon as its last backward is done (``lowering.place_reduces``).
+    ``order``: the search's variant to build (a plan's ``order``, chosen on its stage costs);
+    empty: the search's choice on equal stage costs (``gems.pipeline.search.order``)."""
     check(name, K, m)
     if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
         raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")
-    found, _ = search.order(name, K, m, split)
+    found, _ = search.order(name, K, m, split, order)
     lists = lower(found.tasks, search.layout(name, K, m).place, K, skips)
     done: dict[tuple[int, int], float] = {}
     for p, tasks in enumerate(found.tasks):
@@ -98,11 +100,13 @@ def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (
 
 
 def variant(name: str, K: int, m: int = 1, split: bool = False) -> str:
-    """How the schedule search made the order ``schedule`` returns (shown in plans)."""
+    """How the schedule search made the order ``schedule`` returns on equal stage costs (the
+    planner keeps it unless the plan's own stage costs favour another, ``Plan.order``)."""
     return str(search.order(name, K, m, split)[1])
 
 
-def forward_only(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = ()) -> list[list[Action]]:
+def forward_only(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (),
+                 order: str = "") -> list[list[Action]]:
     """Per position, the forwards of one training step and their messages, in the same order
     (no backward, no gradient, no sync or step): evaluation and prediction on the same ranks.
     Under ``mast`` both mirrored replicas run forwards, so every position computes from the
@@ -110,7 +114,7 @@ def forward_only(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]]
     Dropping a step's backward half keeps its forwards' order, which cannot deadlock: a
     forward's receive depends only on earlier forwards."""
     keep = (RECV_ACT, FORWARD, SEND_ACT)
-    return [[a for a in actions if a.op in keep] for actions in schedule(name, K, m, skips)]
+    return [[a for a in actions if a.op in keep] for actions in schedule(name, K, m, skips, order=order)]
 
 
 def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
@@ -181,11 +185,11 @@ def most_alive(position_moments: list[Moment], between: bool = False) -> dict[in
     return {s: max(live.get(s, 0) for live in alive) for s in sorted({s for live in alive for s in live})}
 
 
-def in_flight(name: str, K: int, m: int = 1, split: bool = False) -> list[dict[int, int]]:
+def in_flight(name: str, K: int, m: int = 1, split: bool = False, order: str = "") -> list[dict[int, int]]:
     """Per position, {stage: most micro-batches of that stage alive at once} (``most_alive``).
     The solver multiplies one micro-batch's activation bytes by it: a safe bound, since it
     sums per-stage maxima that may not coincide in time."""
-    return [most_alive(moments(actions)) for actions in schedule(name, K, m, split=split)]
+    return [most_alive(moments(actions)) for actions in schedule(name, K, m, split=split, order=order)]
 
 
 def waiting_forwards(actions: list[Action]) -> list[Action]:

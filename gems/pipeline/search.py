@@ -8,7 +8,12 @@ same micro-batches in flight plus one micro-batch (``min(2m, K) + 1`` micro-batc
 on a position), and takes the shortest step (forward 1, backward 2 or input-gradient 1 +
 weight-gradient 1, messages free); ties go to the earlier candidate, and the first is today's
 classic order (backward first, cap ``K - s``). The search is deterministic, so every rank, the
-planner and the simulator derive the same order. The bound counts micro-batches alive, not bytes:
+planner and the simulator derive the same order.
+
+Ticks treat every stage alike. The planner knows each stage's cost, so it replays every candidate
+that ``qualified`` keeps with them (``gems.partition.ordering``) and writes the fastest into the plan
+(``Plan.order``: the variant's text, ``Variant.parse`` reads it back); the engine, the simulator and
+the memory model then build that variant's order (``order(..., variant=plan.order)``). The bound counts micro-batches alive, not bytes:
 with the backward split, a micro-batch between its halves also keeps the gradients its weight half
 starts from (about one more activation per layer with parameters), which the planner prices
 (``gems.partition.costs``) but this bound does not see.
@@ -21,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from gems.errors import GemsError
 from gems.pipeline.ordering import RULES, Layout, Order, greedy, peak_in_flight
 
 EXTRA_CAPS = (0, 1, 2)   # added to 1F1B's K - s
@@ -36,6 +42,23 @@ class Variant(NamedTuple):
     def __str__(self) -> str:
         cap = "m" if self.extra is None else ("K-s" if self.extra == 0 else f"K-s+{self.extra}")
         return f"{self.rule}, cap {cap}" + ("" if self.limit is None else f", {self.limit} per position")
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """The variant whose ``str`` is ``text`` (as a plan records it); GemsError if none is."""
+        parts = [part.strip() for part in str(text).split(",")]
+        try:
+            rule, cap, *rest = parts
+            extra = {"cap m": None, "cap K-s": 0}.get(cap)
+            if extra is None and cap != "cap m":
+                extra = int(cap.removeprefix("cap K-s+"))
+            limit = int(rest[0].removesuffix(" per position")) if rest else None
+            if rule not in RULES or len(rest) > 1 or str(cls(rule, extra, limit)) != ", ".join(parts):
+                raise ValueError(text)
+        except ValueError:
+            raise GemsError(f"{text!r} is not an order the schedule search makes (e.g. 'backward-first, cap K-s' or "
+                            "'fill-first, cap K-s+1, 5 per position'): plan again with this version") from None
+        return cls(rule, extra, limit)
 
 
 def layout(name: str, K: int, m: int) -> Layout:
@@ -70,17 +93,32 @@ def candidates(name: str, K: int, m: int) -> list[Variant]:
 
 
 @lru_cache(maxsize=256)
-def order(name: str, K: int, m: int, split: bool = False) -> tuple[Order, Variant]:
-    """The compute order of one step of schedule ``name`` and the variant that made it."""
-    best: tuple[Order, Variant] | None = None
+def qualified(name: str, K: int, m: int, split: bool = False) -> tuple[tuple[Order, Variant], ...]:
+    """The distinct orders the candidates make within the memory bound, each with the first variant
+    that made it, in the candidates' order (the classic order first)."""
+    found: dict[tuple, tuple[Order, Variant]] = {}
     for v in candidates(name, K, m):
         o = _run(name, K, m, split, v)
-        if o is None:
+        if o is None or (name == "mast" and max(peak_in_flight(o, split)) > memory_bound(K, m)):
             continue
-        if name == "mast" and max(peak_in_flight(o, split)) > memory_bound(K, m):
-            continue
-        if best is None or o.ticks < best[0].ticks:
-            best = (o, v)
-    if best is None:   # the classic order always qualifies; reaching here is a bug in a rule
+        found.setdefault(tuple(map(tuple, o.tasks)), (o, v))
+    if not found:   # the classic order always qualifies; reaching here is a bug in a rule
         raise RuntimeError(f"no order found for schedule {name} K={K} m={m}")
-    return best
+    return tuple(found.values())
+
+
+@lru_cache(maxsize=256)
+def order(name: str, K: int, m: int, split: bool = False, variant: str = "") -> tuple[Order, Variant]:
+    """The compute order of one step of schedule ``name`` and the variant that made it: the
+    qualified order of fewest ticks (ties to the earlier), or the one ``variant`` (a plan's
+    ``order``; empty: search) names, which must be a qualified one of this schedule."""
+    found = qualified(name, K, m, split)
+    if not variant:
+        return min(found, key=lambda pair: pair[0].ticks)
+    wanted = Variant.parse(variant)
+    if wanted in candidates(name, K, m):
+        made = _run(name, K, m, split, wanted)
+        if any(made == o for o, _ in found):
+            return made, wanted
+    raise GemsError(f"the order {variant!r} is not one the schedule search allows for {name} with K={K}, m={m}"
+                    f"{' and the backward split' if split else ''}: plan again for this layout")

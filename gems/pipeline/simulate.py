@@ -161,10 +161,11 @@ class Result:
 
 
 def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network(), groups: int = 1,
-             optimizer_time: float = 0.0, split: bool = False, shard: bool = False) -> Result:
+             optimizer_time: float = 0.0, split: bool = False, shard: bool = False, order: str = "") -> Result:
     """Replay schedule (name, K, m) on ``groups`` data-parallel groups (see module docstring);
     ``split``: with the backward split into input- and weight-gradient actions; ``shard``: with the
-    optimizer sharded over each sync group (``optimizer_time`` is then the unsharded step's)."""
+    optimizer sharded over each sync group (``optimizer_time`` is then the unsharded step's);
+    ``order``: the schedule search's variant to replay (a plan's ``order``; empty: its default)."""
     sch.check(name, K, m)
     costs.check(K)
     if not isinstance(groups, int) or groups < 1:
@@ -172,7 +173,7 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     if network.allreduce not in ALLREDUCE:
         raise GemsError(f"unknown allreduce {network.allreduce!r}: choose one of {', '.join(ALLREDUCE)}")
     edges = costs.edge_bytes
-    lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1], split=split)
+    lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1], split=split, order=order)
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network, shard)
@@ -374,4 +375,4 @@ def simulate_plan(plan, network: Network = Network(), device_flops: float = V100
     """``simulate`` for the configuration a Plan was made for (e.g. behind ``gems-plan --simulate``)."""
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs_from_plan(plan, device_flops, efficiency),
                     network, plan.groups, optimizer_time, getattr(plan, "split_backward", False),
-                    getattr(plan, "shard_optimizer", False))
+                    getattr(plan, "shard_optimizer", False), getattr(plan, "order", ""))
