@@ -11,7 +11,7 @@ classic order (backward first, cap ``K - s``). The search is deterministic, so e
 planner and the simulator derive the same order.
 
 Ticks treat every stage alike. The planner knows each stage's cost, so it replays every candidate
-that ``qualified`` keeps with them (``gems.partition.ordering``) and writes the fastest into the plan
+that ``qualified`` keeps with them (``gems.partition.order``) and writes the fastest into the plan
 (``Plan.order``: the variant's text, ``Variant.parse`` reads it back); the engine, the simulator and
 the memory model then build that variant's order (``order(..., variant=plan.order)``). The bound counts micro-batches alive, not bytes:
 with the backward split, a micro-batch between its halves also keeps the gradients its weight half
