@@ -20,7 +20,9 @@ once, and reports medians over the measured steps:
     simulator     ``gems.pipeline.simulate`` replaying the schedule with per-stage forward/backward
                   times measured from the same timelines (medians per stage), a network
                   measured by ping-pong between ranks 0 and 1, and the measured optimizer
-                  time: predicted step time and its error against the measured one.
+                  time -- the update (the timeline's ``step``) and the zeroing of the gradient
+                  bucket after it (``zero_grad``), the update shown apart: predicted step time
+                  and its error against the measured one.
 
 Targets and loss follow the model's output, read from the plan's shapes (a fake forward, nothing
 run at full size): C logits per image get class labels, C x H x W (any spatial dims) get
@@ -239,8 +241,9 @@ class ScheduleResult:
     plan_memory: list[int]            # per rank, the plan's estimate for its position
     stage_forward: list[float]        # median seconds per micro-batch, per stage
     stage_backward: list[float]
-    optimizer_time: float
+    optimizer_time: float             # the step's update and the zeroing of the gradient bucket (slowest rank)
     predicted_step_time: float
+    update_time: float = 0.0          # the update alone (the timeline's step span; slowest rank)
     ratio_to_mp: float | None = None
     efficiency: float | None = None
 
@@ -316,9 +319,12 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         halves = _stage_medians(leaders, sch.BACKWARD_INPUT, K), _stage_medians(leaders, sch.BACKWARD_WEIGHT, K)
         backward = [i + w for i, w in zip(*halves)]
         share = [i / b if b > 0 else 0.5 for i, b in zip(halves[0], backward)]
-    steps = {r.rank: statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
-             for r in ranks}
+    # the update (step) and the zeroing of the gradient bucket after it: the simulator's step is both
+    steps = {r.rank: statistics.median([sum(b - a for label, a, b in s.spans if label in (sch.STEP, sch.ZERO))
+                                        for s in r.steps]) for r in ranks}
     optimizer = max(steps.values())
+    update = max(statistics.median([b - a for s in r.steps for label, a, b in s.spans if label == sch.STEP])
+                 for r in ranks)
     stages = plan.stage_estimates
     costs = simulate.Costs(forward=forward, backward=backward, boundary_bytes=[s.output_bytes for s in stages],
                            param_bytes=[s.param_bytes for s in stages], edge_bytes=simulate.edge_bytes(plan),
@@ -334,7 +340,8 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
         peak_memory=[g[2] for g in gathered],
         plan_memory=[memory.rank_estimate(plan.positions[p], t) for _, p, t in placement],
-        stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted)
+        stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted,
+        update_time=update)
 
 
 def run(cfg: BenchConfig, comm) -> dict | None:

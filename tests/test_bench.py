@@ -79,8 +79,9 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
         assert r["micro_batch_size"] == (2 if name == "mp" else 1)
         assert r["groups"] == 1 and r["spatial_grid"] == [] and r["placement"] == [[0, 0, 0], [0, 1, 0]]
         for key in ("step_time", "images_per_s", "ratio_to_mp", "efficiency", "predicted_step_time",
-                    "optimizer_time"):
+                    "optimizer_time", "update_time"):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
+        assert r["update_time"] < r["optimizer_time"]   # the zeroing of the gradient bucket besides
         assert -1.0 < r["bubble"] < 1.0 and math.isfinite(r["simulator_error"])
         assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
         assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2

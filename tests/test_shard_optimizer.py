@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gems
+from gems import models
 from gems.comm import loopback
 from gems.obs import memory
 from gems.pipeline.gradsync import _share
@@ -31,12 +32,23 @@ def test_sharded_optimizer_with_clipping_and_batchnorm():
     run_loopback("batchnorm", "mast", 2, 2, 1, steps=2, shard=True)
 
 
-def test_each_member_takes_a_run_of_about_equal_elements():
-    P = lambda *sizes: [nn.Parameter(torch.zeros(k)) for k in sizes]   # noqa: E731
-    assert _share(P(5, 5, 5, 5), 2) == [0, 2, 4]
-    assert _share(P(1, 1, 100, 1, 1), 3) == [0, 2, 3, 5]
-    assert _share(P(100, 1, 1), 3) == [0, 1, 2, 3]      # none empty
-    assert _share(P(1, 2), 4) == [0, 1, 2, 2, 2]         # fewer parameters than members
+def test_each_member_takes_whole_parameters_of_about_equal_elements():
+    def shared(sizes, n):
+        params = [nn.Parameter(torch.zeros(k)) for k in sizes]
+        ordered, bounds = _share(params, n)
+        assert sorted(map(id, ordered)) == sorted(map(id, params))
+        runs = [ordered[a:b] for a, b in zip(bounds, bounds[1:])]
+        index = {id(p): i for i, p in enumerate(params)}
+        assert all([index[id(p)] for p in run] == sorted(index[id(p)] for p in run) for run in runs)
+        return [[p.numel() for p in run] for run in runs]
+    assert shared((5, 5, 5, 5), 2) == [[5, 5], [5, 5]]
+    assert shared((1, 1, 100, 1, 1), 3) == [[100], [1, 1], [1, 1]]
+    assert shared((100, 1, 1), 3) == [[100], [1], [1]]      # none empty
+    assert shared((1, 2), 4) == [[1], [2], [], []]           # fewer parameters than members
+    # resnet18's four largest convolutions (2.4M) split 2 : 2, not 3 : 1 as contiguous runs would
+    resnet18 = [p.numel() for p in models.build("resnet18", num_classes=10).parameters()]
+    loads = [sum(run) for run in shared(resnet18, 2)]
+    assert max(loads) / (sum(loads) / 2) < 1.01, loads
 
 
 def _shards(comm, model, plan, steps, load=None):
@@ -95,10 +107,12 @@ def _labels(comm, plan, images, labels):
 @pytest.mark.parametrize("shard", [False, True])
 def test_the_parameter_exchange_is_its_own_span_after_an_applied_step(shard):
     """The timeline's ``step`` is the update alone; a sharded rank's exchange follows as ``share``
-    (gems-bench and traces tell the two apart), and a step not applied exchanges nothing."""
+    (gems-bench and traces tell the two apart), a step not applied exchanges nothing, and the
+    gradient bucket is zeroed last (``zero_grad``), applied or not."""
     plan = make_plan("transparency", "mast", 2, 2, 1, shard=shard)
     images, labels = data(plan.batch_size, 0)
     for x, applied in ((images, True), (torch.full_like(images, float("nan")), False)):
         for spans in loopback.run(2, lambda comm: _labels(comm, copy.deepcopy(plan), x, labels), timeout=30):
-            assert spans[-1] == ("share" if shard and applied else "step")
-            assert spans.count("share") == (shard and applied) and spans[-2 if shard and applied else -1] == "step"
+            assert spans[-1] == "zero_grad" and spans.count("zero_grad") == 1
+            assert spans[-2] == ("share" if shard and applied else "step")
+            assert spans.count("share") == (shard and applied) and spans[-3 if shard and applied else -2] == "step"

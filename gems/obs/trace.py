@@ -28,12 +28,12 @@ from pathlib import Path
 from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 
-BUSY = sch.COMPUTE + (sch.STEP,)   # what counts as a rank doing useful work
+BUSY = sch.COMPUTE + (sch.STEP, sch.ZERO)   # what counts as a rank doing useful work
 # What a slice's colour says; recv_* slices are the time spent waiting for a message.
 KINDS = {sch.FORWARD: "forward", sch.BACKWARD: "backward", sch.BACKWARD_INPUT: "backward",
          sch.BACKWARD_WEIGHT: "backward", sch.RECV_ACT: "recv wait", sch.RECV_GRAD: "recv wait",
          sch.SEND_ACT: "send", sch.SEND_GRAD: "send", sch.REDUCE: "sync", sch.SYNC: "sync", sch.STEP: "optimizer",
-         sch.SHARE: "sync"}
+         sch.SHARE: "sync", sch.ZERO: "optimizer"}
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "recv wait": "#c44e52", "send": "#8c8c8c",
            "sync": "#8172b2", "optimizer": "#ccb974"}
 _LABEL = re.compile(r"^(?P<op>\w+) (?P<replica>[du])(?P<micro>\d+)\.s(?P<stage>\d+)(?:[<>]s(?P<other>\d+))?"

@@ -13,7 +13,9 @@
   graph, backward_weight the parameters' gradients later (a recomputing forward's whole backward
   runs in backward_input: a second half would recompute its segments again);
 - send / recv: through the ``Messenger``; reduce / sync / step: through ``GradSync``; after an
-  applied step of a sharded optimizer, the parameter exchange (its own span, ``ir.SHARE``).
+  applied step of a sharded optimizer, the parameter exchange (its own span, ``ir.SHARE``); then
+  the gradient bucket is zeroed for the next step (its own span, ``ir.ZERO``: memory-bound work
+  that is no part of the optimizer's update, which the ``step`` span times alone).
 
 Every action is timed (``ActionTimer``) for traces and gems-bench.
 """
@@ -90,6 +92,9 @@ class Executor:
             start = now()
             self.grads.share()
             timer.span(ir.SHARE, start, now())
+        start = now()
+        self.grads.zero_grads()
+        timer.span(ir.ZERO, start, now())
         self._images = self._labels = None
 
     def _edge(self, a: ir.Action) -> tuple[int, int]:

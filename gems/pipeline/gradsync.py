@@ -123,9 +123,10 @@ class GradSync:
     def optimized(self, shard: bool) -> list[nn.Parameter]:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
         each part's (a stage, or a tiled stage's tiled units and untiled rest) -- whole parameters,
-        contiguous in the bucket, about 1/n of the elements for each of the n members of the part's
-        sync group (the same split on every member); the others' new values arrive after each step
-        (``apply``). Sharded, a part's parameters become views of one flat buffer laid out as their
+        about 1/n of the elements for each of the n members of the part's sync group (``_share``: the
+        same split on every member), the part's gradients laid out again in the bucket by owner so
+        that each member's are contiguous; the others' new values arrive after each step
+        (``share``). Sharded, a part's parameters become views of one flat buffer laid out as their
         gradients are in the bucket (the Parameter objects stay), so that exchange is one allgather
         per part, with no copies."""
         if not shard or not self.shard_groups:
@@ -136,7 +137,8 @@ class GradSync:
             if group is None:   # no other copy
                 owned += mine
                 continue
-            bounds = _share(mine, group.size)
+            mine, bounds = _share(mine, group.size)
+            self._lay_out(key, mine)
             owned += mine[bounds[group.rank]:bounds[group.rank + 1]]
             if mine:   # the part's gradients are contiguous; member k's run of whole parameters a piece of them
                 lo = self._offsets[id(mine[0])]
@@ -148,6 +150,18 @@ class GradSync:
                             f"among {max(g.size for g in self.shard_groups)} ranks: train without --shard-optimizer")
         self._owned = {id(p) for p in owned}
         return owned
+
+    def _lay_out(self, key: tuple[int, int], ordered: list[nn.Parameter]) -> None:
+        """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
+        first step: the bucket holds zeros)."""
+        offset = min((self._offsets[id(p)] for p in ordered), default=0)
+        views = dict((id(p), view) for p, view in self._views)
+        for p in ordered:
+            views[id(p)] = p.grad = self.bucket[offset:offset + p.numel()].view_as(p)
+            self._offsets[id(p)] = offset
+            offset += p.numel()
+        self._views = [(p, views[id(p)]) for p, _ in self._views]
+        self._part_params[key] = ordered
 
     @torch.no_grad()
     def _flatten(self, params: list[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
@@ -179,7 +193,7 @@ class GradSync:
         views. Its default (set_to_none) would detach ``param.grad`` from the bucket, and the
         allreduce would then sync zeros."""
         def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
-            self._zero_grads()
+            self.zero_grads()
             for p, view in self._views:
                 p.grad = view
 
@@ -207,7 +221,8 @@ class GradSync:
         for c, before in zip(self._counters, self._counters_before):
             before.copy_(c)
 
-    def _zero_grads(self) -> None:
+    def zero_grads(self) -> None:
+        """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
         for _, grads, _, _ in self._segments.values():
             grads.zero_()
 
@@ -270,9 +285,9 @@ class GradSync:
     @torch.no_grad()
     def apply(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer step (after clipping) and the deferred BatchNorm update, unless the loss
-        is not finite: then the buffers go back to their values before the step. Gradients are
-        zeroed either way. Returns whether the step was applied; sharded, an applied step's new
-        parameters reach the other members by ``share``."""
+        is not finite: then the buffers go back to their values before the step. The gradients
+        stay (``zero_grads`` clears them). Returns whether the step was applied; sharded, an applied
+        step's new parameters reach the other members by ``share``."""
         applied = bool(torch.isfinite(self._scalars[0]))
         if not applied:
             self._scatter(self._stats_before, self._stats_buffers)
@@ -288,23 +303,21 @@ class GradSync:
             optimizer.step()
             for _, norms in self.batch_norms:
                 norms.update()
-        self._zero_grads()
         return applied
 
 
-
-def _share(params: list[nn.Parameter], n: int) -> list[int]:
-    """n + 1 boundaries cutting ``params`` into n runs of about equal elements (member k takes
-    ``params[b[k]:b[k + 1]]``): run k starts at the first parameter whose middle lies past k/n of
-    the elements; no run is empty unless there are fewer parameters than members (then one each)."""
+def _share(params: list[nn.Parameter], n: int) -> tuple[list[nn.Parameter], list[int]]:
+    """``params`` in the order of their owners and n + 1 boundaries: member k updates
+    ``ordered[b[k]:b[k + 1]]``. Whole parameters, largest first to the member with the fewest
+    elements so far (the longest-processing-time rule: a few large weights -- resnet18's four 2.4M
+    convolutions of 11.2M elements -- would leave contiguous runs 54 : 46), each member's in their
+    given order; no member empty unless there are fewer parameters than members."""
     if len(params) < n:
-        return [min(k, len(params)) for k in range(n + 1)]
-    total, seen, mids = sum(p.numel() for p in params), 0, []
-    for p in params:
-        mids.append(2 * seen + p.numel())   # twice the middle, in elements
-        seen += p.numel()
-    bounds = [0]
-    for k in range(1, n):
-        first = next((i for i, mid in enumerate(mids) if mid * n >= 2 * k * total), len(params))
-        bounds.append(min(max(first, bounds[-1] + 1), len(params) - (n - k)))
-    return bounds + [len(params)]
+        return list(params), [min(k, len(params)) for k in range(n + 1)]
+    loads, owner = [0] * n, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner[i] = min(range(n), key=lambda k: (loads[k], k))
+        loads[owner[i]] += params[i].numel()
+    ordered = [p for k in range(n) for p, o in zip(params, owner) if o == k]
+    counts = [owner.count(k) for k in range(n)]
+    return ordered, [sum(counts[:k]) for k in range(n + 1)]

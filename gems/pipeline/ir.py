@@ -66,6 +66,7 @@ SEND_ACT, RECV_ACT = "send_act", "recv_act"
 SEND_GRAD, RECV_GRAD = "send_grad", "recv_grad"
 REDUCE, SYNC, STEP = "reduce", "sync", "step"
 SHARE = "share"   # not an action: a timeline's span for a sharded optimizer's parameter exchange after STEP
+ZERO = "zero_grad"   # not an action: a timeline's span for zeroing the gradient bucket, the step's last work
 COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 GRADIENT = (BACKWARD, BACKWARD_INPUT)   # the backward that makes the stage's input gradient
 LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}

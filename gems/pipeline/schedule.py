@@ -36,7 +36,7 @@ from gems.errors import GemsError
 from gems.pipeline import search
 from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, GRADIENT,  # noqa: F401
                               LETTERS, RECV_ACT, RECV_GRAD, REDUCE, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS,
-                              SHARE, STEP, SYNC, Action)
+                              SHARE, STEP, SYNC, ZERO, Action)
 from gems.pipeline.lowering import lower, place_reduces
 from gems.pipeline.ordering import TICKS
 
