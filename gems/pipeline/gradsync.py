@@ -155,7 +155,7 @@ class GradSync:
         """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
         first step: the bucket holds zeros)."""
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
-        views = dict((id(p), view) for p, view in self._views)
+        views = {id(p): view for p, view in self._views}
         for p in ordered:
             views[id(p)] = p.grad = self.bucket[offset:offset + p.numel()].view_as(p)
             self._offsets[id(p)] = offset

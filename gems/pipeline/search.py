@@ -10,13 +10,15 @@ weight-gradient 1, messages free); ties go to the earlier candidate, and the fir
 classic order (backward first, cap ``K - s``). The search is deterministic, so every rank, the
 planner and the simulator derive the same order.
 
-Ticks treat every stage alike. The planner knows each stage's cost, so it replays every candidate
+Ticks treat every stage alike. The planner knows each stage's cost, so it replays every order
 that ``qualified`` keeps with them (``gems.partition.order``) and writes the fastest into the plan
-(``Plan.order``: the variant's text, ``Variant.parse`` reads it back); the engine, the simulator and
-the memory model then build that variant's order (``order(..., variant=plan.order)``). The bound counts micro-batches alive, not bytes:
-with the backward split, a micro-batch between its halves also keeps the gradients its weight half
-starts from (about one more activation per layer with parameters), which the planner prices
-(``gems.partition.costs``) but this bound does not see.
+(``Plan.order``: the variant's text, which ``Variant.parse`` reads back); the engine, the simulator
+and the memory model then build that variant's order (``order(..., variant=plan.order)``).
+
+The bound counts micro-batches alive, not bytes: with the backward split, a micro-batch between
+its halves also keeps the gradients its weight half starts from (about one more activation per
+layer with parameters), which the planner prices (``gems.partition.costs``) but this bound does
+not see.
 
 Simulated utilization (``gems-sim utilization``), mast, split backward: K=4 m=4 0.960, K=8 m=8
 0.941, K=8 m=4 0.889 -- the bound each position's start-up delay min(p, K-1-p) allows.
