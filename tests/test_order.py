@@ -13,6 +13,7 @@ from gems.partition.backward import predicted_step
 from gems.partition.costs import highest
 from gems.pipeline import schedule as sch, search, simulate
 from gems.pipeline.simulate import IDEAL, costs_from_plan
+from gems.pipeline.sweep import sweep
 
 from equivalence import run_loopback
 
@@ -106,3 +107,12 @@ def test_training_under_every_qualified_order_equals_one_process(split):
         lists = sch.schedule("mast", 3, 2, split=split, order=str(v))
         for r in results:
             assert r.computed == [(a.op, a.replica, a.micro, a.stage) for a in lists[r.rank] if a.op in sch.COMPUTE]
+
+
+def test_a_sweep_replays_each_plan_in_its_own_order():
+    plan = partition.plan(chain(), (3, 16, 16), 8, 3, "mast", 2, balance=[1, 2, 5], split_backward=True)
+    costs = costs_from_plan(plan, plan.flops_per_second, 1.0)
+    found = sweep(lambda name, K, m, D: (costs, 1, 0, True, plan.order), 3, IDEAL, schedules=("mast",),
+                  stages=(3,), micro_batches=(2,))
+    assert [c.step_time for c in found] == [predicted_step(plan)]
+    assert predicted_step(plan) < simulate.simulate("mast", 3, 2, costs, IDEAL, split=True).step_time

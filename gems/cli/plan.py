@@ -269,7 +269,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
         except GemsError:
             continue
         r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
-                     p.groups, split=p.split_backward, shard=p.shard_optimizer)
+                     p.groups, split=p.split_backward, shard=p.shard_optimizer, order=p.order)
         mark = "  <- this plan" if p is chosen else ""
         lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
                      f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
@@ -296,7 +296,7 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
         if p.fits is False:
             over.append(p)
         return (costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes,
-                p.split_backward)   # with --split-backward auto, each plan's own choice
+                p.split_backward, p.order)   # with --split-backward auto, each plan's own choice
 
     stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
     found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)

@@ -49,7 +49,8 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
     knows memory policies and working memory), or None to skip it (say, a batch that does
     not split). Without a peak, the simulated static + activation peak is used. ``split``: every
     schedule with its backward split (``gems.pipeline.splitgrad``), unless a fourth element of the
-    tuple says for that configuration (a plan that chose for itself).
+    tuple says for that configuration (a plan that chose for itself); a fifth names the schedule
+    search's order to replay (``Plan.order``; the search's own without).
     """
     found = []
     for name in schedules:
@@ -61,7 +62,7 @@ def sweep(costs_for: Callable[[str, int, int, int], tuple | None], world: int,
                 if made is None:
                     continue
                 result = simulate(name, K, m, made[0], network, world // K, optimizer_time,
-                                  made[3] if len(made) > 3 else split)
+                                  made[3] if len(made) > 3 else split, order=made[4] if len(made) > 4 else "")
                 peak = made[2] if len(made) > 2 and made[2] is not None else max(result.peak_bytes)
                 if memory_budget is None or peak <= memory_budget:
                     found.append(Candidate(name, K, m, world // K, result.step_time,
