@@ -107,7 +107,7 @@ class _Run:
         self.precision = Precision(self.keys, self.static, autocast) if lower else None
         self.copied: list[int] = []                         # per unit: bytes of autocast's input copies
         self.weighted = WeightedOutputs({id(t.untyped_storage()) for state in self.params for t in state.values()
-                                         if t.requires_grad})
+                                         if t.requires_grad}, self.keys)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self.keys(t)
@@ -127,7 +127,7 @@ class _Run:
             start = self.allocations.mark()
             state = {**self.params[i], **self.buffers[i]}
             copied = self.precision.copied if self.precision else 0
-            self.weighted.bytes = 0
+            self.weighted.outputs = []
             with self.flops, self.allocations, self.weighted, self.precision or contextlib.nullcontext(), \
                     torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 try:
@@ -137,7 +137,8 @@ class _Run:
                 except (RuntimeError, ValueError, IndexError, TypeError) as error:
                     raise self._input_error(i, error) from None
             self.copied.append(self.precision.copied - copied if self.precision else 0)
-            captured.append(self.weighted.bytes)
+            captured.append(self.weighted.bytes(self.precision.lowered, self.precision.dtype) if self.precision
+                            else self.weighted.bytes())
             fwd_flops.append(self.flops.get_total_flops())
             fwd_working.append(self.allocations.peak_since(start) + self.allocations.scratch)
             eval_working.append(self._eval_working(unit, state, arg))

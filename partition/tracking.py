@@ -135,15 +135,21 @@ class Allocations(TorchDispatchMode):
 
 
 class WeightedOutputs(TorchDispatchMode):
-    """Bytes of the first new output of every op that reads a trainable parameter (``trainable``:
-    the ids of their storages): what a split backward keeps between its halves, the gradient
-    arriving at each such op (``gems.pipeline.splitgrad``). Views of a parameter (a transposed
-    weight) and in-place updates make no new storage and count nothing."""
+    """The first new output of every op that reads a trainable parameter (``trainable``: the ids
+    of their storages): its gradient, arriving at that op, is what a split backward keeps between
+    its halves (``gems.pipeline.splitgrad``); ``bytes(lowered, dtype)`` sums them, those whose
+    storage key (``keys``) autocast holds in ``dtype`` (``Precision.lowered``) at its size, since
+    a gradient has its tensor's dtype. Views of a parameter (a transposed weight) and in-place
+    updates make no new storage and count nothing."""
 
-    def __init__(self, trainable: set[int]) -> None:
+    def __init__(self, trainable: set[int], keys: StorageKeys) -> None:
         super().__init__()
-        self.trainable = trainable
-        self.bytes = 0
+        self.trainable, self.keys = trainable, keys
+        self.outputs: list[tuple[int, int, int]] = []   # (storage key, bytes, elements)
+
+    def bytes(self, lowered: set[int] = frozenset(), dtype: torch.dtype | None = None) -> int:
+        return sum(n * dtype.itemsize if dtype is not None and key in lowered else nbytes
+                   for key, nbytes, n in self.outputs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -151,7 +157,7 @@ class WeightedOutputs(TorchDispatchMode):
         if operands & self.trainable:
             first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
             if first is not None and id(first.untyped_storage()) not in operands and first.is_floating_point():
-                self.bytes += tensor_bytes(first)
+                self.outputs.append((self.keys(first), tensor_bytes(first), first.numel()))
         return out
 
 
