@@ -30,7 +30,7 @@ from .backward import TIE, predicted_step
 def fastest_order(plan: Plan, reordered: Callable[[str], Plan]) -> Plan:
     """``plan``, or ``reordered(order)``: the same cuts and policies estimated under another order of
     the schedule search, when that is faster on the plan's stage costs and fits as well (module
-    docstring), with a note saying so."""
+    docstring; where neither fits, when it needs no more memory), with a note saying so."""
     found = search.qualified(plan.schedule, plan.stages, plan.micro_batches, plan.split_backward)
     if len(found) < 2:
         return plan
@@ -46,9 +46,14 @@ def fastest_order(plan: Plan, reordered: Callable[[str], Plan]) -> Plan:
             break
         other = reordered(order)
         faster = predicted_step(other)   # its policies' time under this order counted too
-        if faster < now * (1 - TIE) and (other.fits is not False or plan.fits is False):
+        fits = other.fits is not False or (plan.fits is False and _peak(other) <= _peak(plan))
+        if faster < now * (1 - TIE) and fits:
             other.notes = [*plan.notes, f"order {order}, not the schedule search's {plan.order}: on this plan's "
                            f"stage costs its step is {1 - faster / now:.1%} shorter ({format_ms(faster)} against "
                            f"{format_ms(now)}, network not counted)"]
             return other
     return plan
+
+
+def _peak(plan: Plan) -> int:
+    return max(p.peak_bytes for p in plan.positions)

@@ -116,3 +116,14 @@ def test_a_sweep_replays_each_plan_in_its_own_order():
                   stages=(3,), micro_batches=(2,))
     assert [c.step_time for c in found] == [predicted_step(plan)]
     assert predicted_step(plan) < simulate.simulate("mast", 3, 2, costs, IDEAL, split=True).step_time
+
+
+def test_an_order_that_would_not_fit_the_budget_is_passed_over_for_the_next_fastest_that_does():
+    free = partition.plan(chain(), (3, 16, 16), 8, 3, "mast", 2, balance=[1, 2, 5], split_backward=True)
+    budget = max(p.peak_bytes for p in free.positions) - 1   # the fastest order no longer fits
+    tight = partition.plan(chain(), (3, 16, 16), 8, 3, "mast", 2, balance=[1, 2, 5], split_backward=True,
+                           memory_budget=budget)
+    default = sch.variant("mast", 3, 2, True)
+    assert tight.fits and tight.order not in (free.order, default)
+    assert predicted_step(free) < predicted_step(tight) < simulate.simulate(
+        "mast", 3, 2, costs_from_plan(tight, tight.flops_per_second, 1.0), IDEAL, split=True).step_time
