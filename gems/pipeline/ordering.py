@@ -1,8 +1,9 @@
 """Orders of compute for one training step: a greedy list scheduler and the rules it is run with.
 
 A *task* is ``(op, replica, micro, stage)``. The scheduler plays one step in ticks (forward 1,
-backward 2, or, with the backward split, input-gradient 1 + weight-gradient 1; messages free): at
-every tick an idle position starts the ready task its rule ranks first. Ready means
+backward 2, or, with the backward split, input-gradient 1 + weight-gradient 1, each times its
+stage's weight: 1 unless the layout gives stages integer weights, their relative costs; messages
+free): at every tick an idle position starts the ready task its rule ranks first. Ready means
 
     forward      the previous stage's forward of the micro-batch is done, the micro-batch is the
                  next of its (replica, stage), and the in-flight limits allow one more
@@ -39,6 +40,11 @@ class Layout:
 
     place: tuple[tuple[int, ...], ...]
     micro_batches: int   # per replica
+    weights: tuple[int, ...] = ()   # per stage, what its tasks' ticks are multiplied by (empty: all 1)
+
+    def duration(self, op: str, stage: int) -> int:
+        """Ticks of a task ``op`` of ``stage``."""
+        return TICKS[op] * (self.weights[stage] if self.weights else 1)
 
     @property
     def replicas(self) -> int:
@@ -65,6 +71,7 @@ class Order:
     ticks: int                 # when the last task ends
 
     def busy(self) -> int:
+        """Ticks of compute at unit weights (what ``utilization`` counts)."""
         return sum(TICKS[t[0]] for row in self.tasks for t in row)
 
     def utilization(self) -> float:
@@ -119,12 +126,12 @@ def greedy(layout: Layout, split: bool, rule: Rule, cap: Callable[[int, int], in
                 nw[(r, s)] += 1
                 flying[(r, s)] -= 1   # freed at its end; nothing else of this position starts before
                 per_position[p] -= 1
-            busy_until[p] = finish[task] = t + TICKS[op]
+            busy_until[p] = finish[task] = t + layout.duration(op, s)
             start[task] = t
             tasks[p].append(task)
             done += 1
         t += 1
-        if t > 4 * total + 8 and not any(b > t for b in busy_until):
+        if t > (4 * total + 8) * max(layout.weights or (1,)) and not any(b > t for b in busy_until):
             return None
     return Order(tasks, start, max(finish.values(), default=0))
 
@@ -150,11 +157,11 @@ def peak_in_flight(order: Order, split: bool) -> list[int]:
 def _tail(task: Task, layout: Layout) -> int:
     """Ticks of work that must still follow ``task`` on its micro-batch (its critical path)."""
     op, _, _, s = task
-    S = layout.stages
+    w = layout.weights or (1,) * layout.stages
     if op == FORWARD:
-        return (S - 1 - s) + 2 * S
+        return sum(w[s + 1:]) + 2 * sum(w)
     if op in (BACKWARD, BACKWARD_INPUT):
-        return 2 * s if op == BACKWARD else s
+        return 2 * sum(w[:s]) if op == BACKWARD else sum(w[:s])
     return 0
 
 

@@ -38,7 +38,6 @@ from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE
                               LETTERS, RECV_ACT, RECV_GRAD, REDUCE, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS,
                               SHARE, STEP, SYNC, ZERO, Action)
 from gems.pipeline.lowering import lower, place_reduces
-from gems.pipeline.ordering import TICKS
 
 SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
 
@@ -88,13 +87,15 @@ def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (
     check(name, K, m)
     if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
         raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")
-    found, _ = search.order(name, K, m, split, order)
-    lists = lower(found.tasks, search.layout(name, K, m).place, K, skips)
+    found, made_by = search.order(name, K, m, split, order)
+    layout = search.layout(name, K, m, made_by.weights)
+    lists = lower(found.tasks, layout.place, K, skips)
     done: dict[tuple[int, int], float] = {}
     for p, tasks in enumerate(found.tasks):
         for task in tasks:
             if task[0] in (BACKWARD, BACKWARD_WEIGHT):
-                done[(p, task[3])] = max(done.get((p, task[3]), 0), found.start[task] + TICKS[task[0]])
+                done[(p, task[3])] = max(done.get((p, task[3]), 0),
+                                         found.start[task] + layout.duration(task[0], task[3]))
     partners = [sorted({p, K - 1 - p}) if replicas(name) == 2 else [p] for p in range(K)]
     return place_reduces(lists, partners, done)
 
