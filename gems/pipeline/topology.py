@@ -20,6 +20,7 @@ middle position holds one shared copy. Pure and validated: no I/O, testable with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from gems.pipeline import schedule as sch
 from gems.errors import GemsError
@@ -128,7 +129,7 @@ class Topology:
 
     def holders(self, stage: int) -> list[int]:
         """Every rank holding ``stage``, in every group, ascending: the stage's sync group."""
-        return [rank for rank in range(self.world) if stage in self.stages_of(rank)]
+        return list(_holders(self, stage))
 
     def leaders(self, stage: int) -> list[int]:
         """The ranks holding ``stage`` that lead their tile group (all its holders without tiles): the
@@ -152,3 +153,10 @@ class Topology:
             if g not in seen:
                 seen.append(g)
         return seen
+
+
+@lru_cache(maxsize=1024)
+def _holders(topology: Topology, stage: int) -> tuple[int, ...]:
+    """``Topology.holders``, once per (layout, stage): a scan of the whole world that the simulator
+    and the planner ask for again and again."""
+    return tuple(rank for rank in range(topology.world) if stage in topology.stages_of(rank))
