@@ -14,6 +14,7 @@ from gems.partition.costs import highest
 from gems.pipeline import schedule as sch, search, simulate
 from gems.pipeline.simulate import IDEAL, costs_from_plan
 from gems.pipeline.sweep import sweep
+from gems.pipeline.validate import validate
 
 from equivalence import run_loopback
 
@@ -39,6 +40,7 @@ def test_stage_weights_read_back_and_build_their_own_orders(name, K, m):
         for made, v in search.qualified(name, K, m, split, weights):
             assert v.weights == weights and search.Variant.parse(str(v)) == v
             assert search.order(name, K, m, split, str(v)) == (made, v)
+            validate(name, K, m, sch.schedule(name, K, m, split=split, order=str(v)))   # runs in every timing
     # weights of stages that cost alike say nothing: no weighted candidates
     assert search.weights_of([3.0] * K) == () and search.weights_of([1.0, 2.0, 5.0]) == (2, 4, 10)
     assert search.weights_of([1.0, 100.0]) == (2, search.MAX_WEIGHT)
