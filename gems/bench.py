@@ -244,6 +244,7 @@ class ScheduleResult:
     optimizer_time: float             # the step's update and the zeroing of the gradient bucket (slowest rank)
     predicted_step_time: float
     update_time: float = 0.0          # the update alone (the timeline's step span; slowest rank)
+    order: str = ""                   # the plan's order of compute (Plan.order: the schedule search's variant)
     ratio_to_mp: float | None = None
     efficiency: float | None = None
 
@@ -341,7 +342,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         peak_memory=[g[2] for g in gathered],
         plan_memory=[memory.rank_estimate(plan.positions[p], t) for _, p, t in placement],
         stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted,
-        update_time=update)
+        update_time=update, order=plan.order)
 
 
 def run(cfg: BenchConfig, comm) -> dict | None:

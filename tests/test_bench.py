@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, run_mpi
 from gems import bench, models, partition
 from gems.obs import bench_report
+from gems.pipeline import schedule as sch
 from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
 from gems.comm import loopback
 from gems.errors import GemsError
@@ -82,6 +83,7 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
                     "optimizer_time", "update_time"):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert r["update_time"] < r["optimizer_time"]   # the zeroing of the gradient bucket besides
+        assert r["order"] and sch.schedule(name, 2, expected_m[name], order=r["order"])   # the order that ran
         assert -1.0 < r["bubble"] < 1.0 and math.isfinite(r["simulator_error"])
         assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
         assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2
