@@ -381,7 +381,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         "tiles": cfg.tiles(),
         "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
         "network": {"latency": network.latency, "bandwidth": network.bandwidth,
-                    "reduce_bandwidth": network.reduce_bandwidth},
+                    "reduce_bandwidth": network.reduce_bandwidth, "collective_bandwidth": network.collective_bandwidth},
         "reference": ref,
         "schedules": {r.schedule: {**asdict(r), "simulator_error": r.simulator_error} for r in results},
     }

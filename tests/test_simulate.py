@@ -110,6 +110,20 @@ def test_additions_cost_time_at_the_reduce_bandwidth_and_allgathers_add_nothing(
     assert step[1] - step[0] == pytest.approx(3 / 4 * 2.0)   # the exchange: an allgather, no additions
 
 
+def test_collectives_move_their_pieces_at_the_collective_bandwidth():
+    """gems-bench measures how fast a collective moves large buffers (slower than a ping-pong on
+    CPU ranks); the sync's allreduce and a sharded step's exchange move at it, messages do not."""
+    zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)
+    fast, slow = Network(latency=0.0, bandwidth=1e9), Network(latency=0.0, bandwidth=1e9, collective_bandwidth=0.25e9)
+    assert slow.collective(1e9) == 0.25e9 and Network(collective_bandwidth=1e12).collective(1e9) == 1e9
+    assert simulate("mast", 4, 1, zero, slow, groups=2).step_time - simulate(
+        "mast", 4, 1, zero, fast, groups=2).step_time == pytest.approx(3 * 2 * 3 / 4 * 2.0)   # 4x the ring's time
+    step = simulate("mast", 4, 1, zero, slow, groups=2, shard=True).timeline[0][-1]
+    assert step[1] - step[0] == pytest.approx(4 * 3 / 4 * 2.0)
+    one = Costs(forward=[0.0] * 2, backward=[0.0] * 2, boundary_bytes=[10**9] * 2)
+    assert simulate("mp", 2, 1, one, slow).step_time == simulate("mp", 2, 1, one, fast).step_time == pytest.approx(2.0)
+
+
 def test_rings_leaving_a_node_share_its_network_link():
     # mast K=4 on 4-GPU nodes, D=2: both mirror rings leave every node, so each gets half the link
     zero = Costs(forward=[0.0] * 4, backward=[0.0] * 4, boundary_bytes=[0] * 4, param_bytes=[10**9] * 4)

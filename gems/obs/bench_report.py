@@ -39,6 +39,8 @@ def table(report: dict) -> str:
     lines += ["", *_grid(rows)]
     lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
                   f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s; "
+                  + ("" if net.get("collective_bandwidth") is None else
+                     f"collectives move {net['collective_bandwidth'] / 1e9:.2f} GB/s; ")
                   + ("allreduce additions free" if net.get("reduce_bandwidth") is None else
                      f"allreduce adds at {net['reduce_bandwidth'] / 1e9:.2f} GB/s")]
     rows = [["schedule", "forward ms/stage", "backward ms/stage", "optimizer ms (update)", "predicted ms",

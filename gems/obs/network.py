@@ -13,9 +13,10 @@ from gems.pipeline import simulate
 
 def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:
     """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
-    (its polling waits included, as the engine sees them), and the rate at which they add: what
-    an allreduce of ``reduce_bytes`` between them takes beyond its messages; free communication on
-    one rank."""
+    (its polling waits included, as the engine sees them), the rate at which a collective moves
+    ``reduce_bytes`` between them (an allgather of two halves: the sharded optimizer's exchange, half
+    an allreduce's traffic), and the rate at which they add: what an allreduce of ``reduce_bytes``
+    takes beyond its messages; free communication on one rank."""
     if comm.size < 2:
         return simulate.IDEAL
     pair = comm.group([0, 1])
@@ -41,10 +42,18 @@ def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> s
             comm.allreduce(grads, pair, "the allreduce timing")
             times.append(time.perf_counter() - start)
         result.append(statistics.median(times[1:]))
-    latency, large, reduce = comm.allgather_object(result)[0]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            comm.wait(comm.iallgather_runs(grads, [0, grads.numel() // 2, grads.numel()], pair), "the allgather timing")
+            times.append(time.perf_counter() - start)
+        result.append(statistics.median(times[1:]))
+    latency, large, reduce, gather = comm.allgather_object(result)[0]
     size = max(nbytes, 1 << 20)
-    bandwidth = size / max(large - latency, 1e-9)
-    network = simulate.Network(latency=latency, bandwidth=bandwidth)
+    # a large message's time less the latency; a noisy latency as large as it: the whole time
+    bandwidth = size / (large - latency if large > 1.5 * latency else large)
     reduced = max(reduce_bytes, 4) // 4 * 4
-    adding = reduce - network.allreduce_time(reduced, 2, latency, bandwidth)   # beyond the messages
+    network = simulate.Network(latency=latency, bandwidth=bandwidth,
+                               collective_bandwidth=reduced / 2 / max(gather - latency, 1e-9))
+    adding = reduce - network.allreduce_time(reduced, 2, latency, network.collective(bandwidth))   # beyond them
     return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)

@@ -102,6 +102,13 @@ class Network:
     intra_latency: float | None = None     # None: same as latency
     intra_bandwidth: float | None = None   # None: same as bandwidth
     reduce_bandwidth: float | None = None  # bytes/s a rank adds a received chunk into its own; None: free
+    # bytes/s at which a collective moves its large pieces over a link (None: ``bandwidth``); on CPU
+    # ranks memory-bound copies make it slower than a ping-pong of one message (gems-bench measures it)
+    collective_bandwidth: float | None = None
+
+    def collective(self, bandwidth: float) -> float:
+        """A link's ``bandwidth`` as collectives see it."""
+        return bandwidth if self.collective_bandwidth is None else min(bandwidth, self.collective_bandwidth)
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(latency, bandwidth) between ranks a and b."""
@@ -209,7 +216,8 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
         for p in range(K):
             ranks = topo.sync_group(p)
             latency, bandwidth = network.link(ranks[0], ranks[-1])
-            exchange = network.allgather_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency, bandwidth)
+            exchange = network.allgather_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency,
+                                              network.collective(bandwidth))
             steps[p] = optimizer_time / len(ranks) + exchange
     clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, steps.__getitem__)
     static = costs.static_bytes or [0] * K
@@ -325,7 +333,7 @@ def _sync_costs(topo: Topology, costs: Costs, network: Network,
     seconds = {}
     for key, g in ranks.items():
         latency, bandwidth = network.link(g[0], g[-1])
-        link = bandwidth / (share if key in crossing else 1)
+        link = network.collective(bandwidth) / (share if key in crossing else 1)
         # sharded, the gradients are reduce-scattered: an allreduce without its allgather half
         seconds[key] = {s: network.allreduce_time(params[s], len(g), latency, link)
                         - (network.allgather_time(params[s], len(g), latency, link) if shard else 0.0)
