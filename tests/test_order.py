@@ -4,6 +4,8 @@ the order the plan names, and training under any of them equals one process."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -162,3 +164,19 @@ def test_a_plan_of_unequal_stages_may_take_a_weighted_order_and_trains_under_it_
     lists = sch.schedule("mast", 4, 2, split=True, order=plan.order)
     assert [r.computed for r in results] == [[(a.op, a.replica, a.micro, a.stage) for a in actions
                                               if a.op in sch.COMPUTE] for actions in lists]
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_any_stage_weights_make_complete_deadlock_free_orders_within_the_memory_bound(data):
+    """Whatever weights a plan names (1..16 per stage), every candidate that qualifies is a complete,
+    deadlock-free step within mast's bound of micro-batches alive, and builds again from its text."""
+    K = data.draw(st.integers(2, 6), label="K")
+    m = data.draw(st.sampled_from([1, 2, 3, 4]), label="m")
+    split = data.draw(st.booleans(), label="split")
+    weights = tuple(data.draw(st.lists(st.integers(1, search.MAX_WEIGHT), min_size=K, max_size=K), label="weights"))
+    for made, v in search.qualified("mast", K, m, split, weights):
+        lists = sch.schedule("mast", K, m, split=split, order=str(v))
+        validate("mast", K, m, lists)
+        peak = max(max(sum(live.values()) for _, live, *_ in sch.moments(actions)) for actions in lists)
+        assert peak <= search.memory_bound(K, m)
