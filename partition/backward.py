@@ -44,12 +44,13 @@ def split_mode(value: bool | str | None) -> bool | None:
                     f"got {value!r}")
 
 
-def predicted_step(plan: Plan, costs=None) -> float:
+def predicted_step(plan: Plan, costs=None, order: str | None = None) -> float:
     """Seconds of one step of ``plan`` as ``Plan.step_seconds`` predicts it: its stage costs at
-    its sustained rate (or ``costs``), every policy and spatial part counted, the network free."""
+    its sustained rate (or ``costs``), every policy and spatial part counted, the network free, in
+    its order (or the schedule search's ``order``)."""
     costs = costs_from_plan(plan, plan.flops_per_second, 1.0) if costs is None else costs
     return simulate(plan.schedule, plan.stages, plan.micro_batches, costs, IDEAL, plan.groups,
-                    split=plan.split_backward, order=plan.order).step_time
+                    split=plan.split_backward, order=plan.order if order is None else order).step_time
 
 
 def choose(planned: Callable[[bool], tuple[Plan, str]]) -> tuple[Plan, str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gems.pipeline import search
-from gems.pipeline.simulate import IDEAL, costs_from_plan, simulate
+from gems.pipeline.simulate import costs_from_plan
 from gems.plan import Plan
 from gems.units import format_ms
 from .backward import TIE, predicted_step
@@ -43,12 +43,9 @@ def fastest_order(plan: Plan, reordered: Callable[[str], Plan]) -> Plan:
     found = search.qualified(*layout) + (search.qualified(*layout, weights) if weights else ())
     if len(found) < 2:
         return plan
-    now = predicted_step(plan)
-
-    def replayed(order: str) -> float:
-        return simulate(plan.schedule, plan.stages, plan.micro_batches, timed, IDEAL, plan.groups,
-                        split=plan.split_backward, order=order).step_time
-    ranked = sorted((replayed(str(v)), i, str(v)) for i, (_, v) in enumerate(found) if str(v) != plan.order)
+    now = predicted_step(plan, timed)
+    ranked = sorted((predicted_step(plan, timed, str(v)), i, str(v)) for i, (_, v) in enumerate(found)
+                    if str(v) != plan.order)
     for seconds, _, order in ranked:
         if seconds >= now * (1 - TIE):
             break

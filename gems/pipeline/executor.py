@@ -171,12 +171,11 @@ class Executor:
             weight_half(pending)
 
     def _keep_input_grads(self, key: Key, received: dict) -> None:
-        for edge, tensors in received.items():
-            self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors)
         # the gradients are kept here until their send; the received leaves must not hold them too,
         # since after a split backward's input half those leaves live on, in the graph the weight half
         # still needs
-        for tensors in received.values():
+        for edge, tensors in received.items():
+            self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors)
             for t in tensors:
                 t.grad = None
 
