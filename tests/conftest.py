@@ -71,6 +71,21 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def tagged(variable: str, token: str) -> list[int]:
+    """Processes whose environment sets ``variable`` to ``token``: those of one launch, wherever they
+    were re-parented (Linux /proc)."""
+    needle = f"{variable}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     """End mpiexec and every process below it (ranks included).
 

@@ -1,5 +1,12 @@
 """TrainData: exact resume, shards that add up to the global batch, label-only ranks that open nothing,
 bad files that are skipped instead of fatal, and a synthetic task a small CNN can learn."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 import warnings
 
 import pytest
@@ -9,6 +16,7 @@ from torch import nn
 
 from gems.train.data import TrainData
 from gems.errors import GemsError
+from conftest import tagged
 
 S = 16
 
@@ -218,3 +226,34 @@ def test_a_decompression_bomb_in_a_folder_is_skipped_without_decoding(folder):
     assert data.skipped == 2  # once per epoch: the sample stays in the batch, with zero pixels
     assert sum(int((~x.flatten(1).any(1)).sum()) for run in epochs for x, _ in run) == 2
     assert grew_kib < 1 << 20, f"peak RSS grew by {grew_kib} KiB: the bomb was decoded"
+
+
+KILLED_RANK = """
+import os, signal
+from gems.train.data import TrainData
+if __name__ == "__main__":
+    data = TrainData("synthetic", 16, 4, 1, 0, num_classes=3, synthetic_size=64, workers=2)
+    next(iter(data.batches(0, 0)))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_end_when_their_rank_is_killed(tmp_path):
+    """A rank killed outright (no launcher to kill its process group) leaves no worker, fork server or
+    resource tracker behind: the workers' parent is the fork server, so only their own watch of the
+    rank ends them."""
+    script = tmp_path / "rank.py"
+    script.write_text(KILLED_RANK)
+    token = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEMS_TEST_RANK": token}
+    log = tmp_path / "rank.log"  # not a pipe: processes left behind would hold it open
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, str(script)], env=env, stdout=out, stderr=out, timeout=120)
+    assert done.returncode == -signal.SIGKILL, log.read_text()[-2000:]
+    deadline = time.monotonic() + 30
+    while (left := tagged("GEMS_TEST_RANK", token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "processes outlived their killed rank"

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec
+from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec, tagged
 from gems.train import checkpoint
 from gems.pipeline import schedule as sch
 
@@ -170,20 +170,6 @@ class Launch:
         return f"--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
 
 
-def _tagged(token: str) -> list[int]:
-    """Processes whose environment carries ``token`` (those of one launch, wherever re-parented)."""
-    needle = f"GEMS_FAULT_LAUNCH={token}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def _command(pid: int) -> str:
     with contextlib.suppress(OSError):
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
@@ -236,10 +222,11 @@ def launch(ranks: int, args: list[str], metrics: Path, fault: str | None = None,
         out, err = proc.communicate()
         err += f"\n(test: still running after {LAUNCH_LIMIT}s, killed)"
     result = Launch(proc.returncode, out, err, ended=time.time())
-    # The launcher may still be reaping ranks; data workers poll their parent every 5 s, then exit, which
-    # on loaded cores (the lanes, a second pytest worker) takes a while: wait up to a minute for them.
+    # The launcher may still be reaping ranks, and data workers end when their rank has (then their fork
+    # server and resource tracker), which on loaded cores (the lanes, a second pytest worker) can take a
+    # while: wait up to a minute for them.
     deadline = time.monotonic() + 60
-    while (left := _tagged(token)) and time.monotonic() < deadline:
+    while (left := tagged("GEMS_FAULT_LAUNCH", token)) and time.monotonic() < deadline:
         time.sleep(0.2)
     result.leftovers = [f"{pid} {_command(pid)}" for pid in left]
     for pid in left:  # this launch's: end them, the trial fails on them anyway

@@ -53,7 +53,8 @@ Bad files never stop a run
 
 Workers under MPI
     MPI is initialised before loaders start, and forking an MPI process is unsafe, so workers (``workers
-    > 0``) start through ``forkserver`` (``spawn`` where it is missing), persist across epochs (one loader
+    > 0``) start through ``forkserver`` (``spawn`` where it is missing; gems.train.workers: they also end
+    as soon as their rank does, however it ends), persist across epochs (one loader
     per TrainData / EvalData, its batch list swapped per epoch: iterate one epoch at a time), prefetch
     two batches each and pin memory when CUDA is available. Datasets are plain picklable objects. As
     with any spawned worker, a script that makes loaders needs the ``if __name__ == "__main__":`` guard.
@@ -66,7 +67,6 @@ Synthetic data (``source="synthetic"``)
 from __future__ import annotations
 
 import math
-import multiprocessing
 import warnings
 from typing import Iterator
 
@@ -82,31 +82,11 @@ from gems.train.images import IMAGENET_MEAN, IMAGENET_STD, read_image  # noqa: F
 from gems.train.samples import TASKS, PredictImages, list_source  # noqa: F401
 from gems.train.seeds import generator
 from gems.train.targets import IGNORE
+from gems.train.workers import context as worker_context, watch_rank
 
 __all__ = ["TrainData", "EvalData", "PredictImages", "read_image", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 Batch = tuple[Tensor | None, Tensor | None]
-
-
-def _worker_context():
-    """forkserver (spawn where it is missing): workers never fork this MPI process. The fork server
-    imports torch, torchvision and the datasets once, so later loaders' workers start in milliseconds."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    # Once the server runs this has no effect: the first loader's preload list holds for the process.
-    context.set_forkserver_preload(["__main__", "gems.train.datasets", "torchvision.transforms.v2"])
-    return context
-
-
-def start_worker_server() -> None:
-    """Start the fork server now, in the background: its start-up (a fresh interpreter importing
-    torch and torchvision, seconds) then overlaps the planning and the engine's set-up instead of
-    delaying the first batch while the other ranks wait for this one."""
-    context = _worker_context()
-    if context.get_start_method() == "forkserver":
-        from multiprocessing import forkserver  # noqa: PLC0415
-        forkserver.ensure_running()
 
 
 class _Source:
@@ -210,8 +190,8 @@ class _Source:
         if self._loader is None:
             extra = {}
             if self.workers:
-                extra = dict(multiprocessing_context=_worker_context(), persistent_workers=True,
-                             prefetch_factor=2)
+                extra = dict(multiprocessing_context=worker_context(), worker_init_fn=watch_rank(),
+                             persistent_workers=True, prefetch_factor=2)
             # Its own generator: each pass draws a base seed for the workers (unused: samples carry their
             # own), which would otherwise advance the global torch RNG that dropout and the like use.
             self._loader = DataLoader(self._dataset, batch_sampler=BatchKeys(), num_workers=self.workers,

@@ -18,11 +18,11 @@ from torch import nn
 
 from gems import models, partition
 from gems.obs import memory
-from gems.train import checkpoint
+from gems.train import checkpoint, workers
 from gems.pipeline import schedule as sch
 from gems.train.board import Board
 from gems.train.config import TrainConfig, model_kwargs
-from gems.train.data import TrainData, start_worker_server
+from gems.train.data import TrainData
 from gems.train.losses import make_loss
 from gems.train.optim import learning_rate, make_optimizer
 from gems.train.planning import auto_tiles, check_task, make_plan
@@ -167,7 +167,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     labels = cfg.stages - 1 in held and not tile
     data = _data(cfg, topo.groups, group, 0 in held, labels)
     if cfg.workers and 0 in held:
-        start_worker_server()
+        workers.start_server()
     loss = make_loss(cfg.task, cfg.loss or "cross-entropy", data.num_classes, class_weights=cfg.weights(),
                      label_smoothing=cfg.label_smoothing)
     validation = (Validation(cfg, topo.groups, group, data.num_classes, 0 in held, labels,
