@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
-from gems.bench import BenchConfig, micro_batches_for
+from gems.bench import BenchConfig, micro_batches_for, sgd
 
 # name -> (class, stages per rank, placement of a rank's stages)
 TORCH_SCHEDULES = {"gpipe": (ScheduleGPipe, 1, "loop"), "1f1b": (Schedule1F1B, 1, "loop"),
@@ -74,7 +74,7 @@ def run_torch(name: str, model: nn.Sequential, cuts: list[int], images, labels, 
         schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=n, loss_fn=nn.CrossEntropyLoss())
     except ValueError:   # e.g. DualPipeV wants at least 2K micro-batches
         return None
-    optimizer = torch.optim.SGD([q for m in modules for q in m.parameters()], lr=args.lr, momentum=0.9)
+    optimizer = sgd([q for m in modules for q in m.parameters()], args.lr)
     first, last = 0 in mine, K * per_rank - 1 in mine
 
     def step() -> None:
@@ -93,7 +93,7 @@ def run_gems(name: str, model: nn.Sequential, images, labels, args, comm) -> tup
     m = micro_batches_for(BenchConfig(batch_size=B), schedule, 1)
     plan = partition.plan(model, (3, args.image_size, args.image_size), B, K, schedule, m, balance_by="time",
                           model_name=args.model, split_backward=split)
-    engine = gems.Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=args.lr, momentum=0.9),
+    engine = gems.Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, args.lr),
                          loss_fn=nn.CrossEntropyLoss(), comm=comm)
     return timed(comm, lambda: engine.step(images, labels), args.steps, args.warmup), m, plan.cuts
 

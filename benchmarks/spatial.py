@@ -23,6 +23,9 @@ from torch import nn
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
+from gems.bench import sgd
+
+LR = 0.01   # every run's SGD (gems-bench's: momentum 0.9, fused where torch can)
 
 
 def _steps(step, steps: int, warmup: int, comm) -> float:
@@ -56,10 +59,9 @@ def main() -> None:
     model = models.build(args.model, num_classes=10)
     x, y = torch.randn(B, 3, S, S), torch.randint(0, 10, (B,))
     loss_fn = nn.CrossEntropyLoss()
-    sgd = lambda params: torch.optim.SGD(params, lr=0.01)   # noqa: E731
 
     one = copy.deepcopy(model)
-    opt = sgd(one.parameters())
+    opt = sgd(one.parameters(), LR)
 
     def single() -> None:
         if comm.rank == 0:
@@ -73,7 +75,7 @@ def main() -> None:
     # gradient allreduce), both at once -- what two ranks can do at best, shared memory bandwidth included
     half = x[:, :, :S // 2] if rows == 2 else x[:, :, :, :S // 2]
     own = copy.deepcopy(model)
-    own_opt = sgd(own.parameters())
+    own_opt = sgd(own.parameters(), LR)
 
     def halves() -> None:
         own_opt.zero_grad()
@@ -85,11 +87,11 @@ def main() -> None:
     plan.spatial_end = next(i for i, n in enumerate(plan.unit_names) if "avgpool" in n or n == "head")
     plan.shard_optimizer = args.shard_optimizer
     plan.check()
-    engine = gems.Engine(copy.deepcopy(model), plan, optimizer=sgd, loss_fn=loss_fn, comm=comm)
+    engine = gems.Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
     t_spatial = _steps(lambda: engine.step(x, y), args.steps, args.warmup, comm)
 
     mp_plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=2, schedule="mp", device="cpu")
-    mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=sgd, loss_fn=loss_fn, comm=comm)
+    mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
     t_mp = _steps(lambda: mp.step(x, y), args.steps, args.warmup, comm)
     if comm.rank == 0:
         print(f"{args.model} {S}x{S}, batch {B}, median of {args.steps} steps (after {args.warmup}):")

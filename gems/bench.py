@@ -68,6 +68,7 @@ from gems.pipeline.topology import ranks_per_group
 from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, model_kwargs, opt,
                                tile_count)
 from gems.train.losses import make_loss
+from gems.train.optim import fused
 
 
 @dataclass
@@ -192,12 +193,18 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
     return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
 
 
+def sgd(params, lr: float) -> torch.optim.SGD:
+    """The optimizer of every run, the reference's too: SGD with momentum 0.9, fused where torch can."""
+    params = list(params)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=fused(params))
+
+
 def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
               device: torch.device) -> dict:
     """Plain PyTorch on one rank: forward, backward (the engine's loss, the batch's mean) and SGD
     of the whole model on the batch."""
     model = copy.deepcopy(model).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    optimizer = sgd(model.parameters(), cfg.lr)
     x, y = images.to(device), labels.to(device)
 
     def train_step() -> None:
@@ -275,7 +282,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
                           spatial=cfg.spatial)
-    engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=0.9),
+    engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, cfg.lr),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
     recorder = trace.Recorder(engine, keep=None)
     mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
