@@ -10,7 +10,12 @@ once, and reports medians over the measured steps:
                   reference being plain PyTorch forward/backward/SGD of the whole model on the
                   same batch, on rank 0, with the threads one rank uses (the others wait)
     bubble        1 - busy / (ranks x step time); busy = forward + backward + optimizer
-                  time from the engine timelines
+                  time from the engine timelines. In brackets the part of it that the ranks'
+                  unequal busy time alone forces, since every step ends in a sync: sum over ranks
+                  of (the busiest rank's busy - its own) / (ranks x step time). No order of work
+                  removes that part: it is the plan's imbalance where ranks hold unequal work,
+                  and on CPU ranks the cores' own noise (mast's ranks do equal work, yet on two
+                  vCPUs one rank's step took 2-8% longer than the other's).
     memory        peak tensor bytes per rank over one more, untimed step (``gems.obs.memory.PeakMeter``:
                   CUDA max allocated; CPU what the rank holds at the step's start -- its
                   stages, gradient bucket, optimizer state and, on a first stage, its
@@ -244,6 +249,7 @@ class ScheduleResult:
     step_time: float                  # median seconds over measured steps (slowest rank)
     images_per_s: float
     bubble: float                     # median over steps
+    unequal_busy: float               # the part of the bubble the ranks' unequal busy time forces (median)
     peak_memory: list[int]            # per rank, measured
     plan_memory: list[int]            # per rank, the plan's estimate for its position
     stage_forward: list[float]        # median seconds per micro-batch, per stage
@@ -315,10 +321,11 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     gc.collect()
 
     step_times = [max(per_rank) for per_rank in zip(*(g[1] for g in gathered))]
-    bubbles = []
+    bubbles, unequal = [], []
     for i, wall in enumerate(step_times):
-        busy = sum(trace.busy_seconds(r.steps[i].spans) for r in ranks)
-        bubbles.append(1.0 - busy / (comm.size * wall))
+        busy = [trace.busy_seconds(r.steps[i].spans) for r in ranks]
+        bubbles.append(1.0 - sum(busy) / (comm.size * wall))
+        unequal.append(sum(max(busy) - b for b in busy) / (comm.size * wall))
     leaders = [r for r in ranks if placement[r.rank][2] == 0]   # a member's stage-0 spans are its tiles only
     forward = _stage_medians(leaders, sch.FORWARD, K)
     backward = _stage_medians(leaders, sch.BACKWARD, K)
@@ -346,6 +353,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
         spatial_grid=list(plan.spatial_grid), spatial_end=plan.spatial_end, split_backward=plan.split_backward,
         placement=placement,
         step_time=step, images_per_s=cfg.batch_size / step, bubble=statistics.median(bubbles),
+        unequal_busy=statistics.median(unequal),
         peak_memory=[g[2] for g in gathered],
         plan_memory=[memory.rank_estimate(plan.positions[p], t) for _, p, t in placement],
         stage_forward=forward, stage_backward=backward, optimizer_time=optimizer, predicted_step_time=predicted,

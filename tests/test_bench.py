@@ -85,6 +85,7 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
         assert r["update_time"] < r["optimizer_time"]   # the zeroing of the gradient bucket besides
         assert r["order"] and sch.schedule(name, 2, expected_m[name], order=r["order"])   # the order that ran
         assert -1.0 < r["bubble"] < 1.0 and math.isfinite(r["simulator_error"])
+        assert 0.0 <= r["unequal_busy"] <= r["bubble"]   # the part of the bubble unequal busy times force
         assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
         assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2
         assert min(r["peak_memory"]) > 0 and min(r["plan_memory"]) > 0

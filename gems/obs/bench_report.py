@@ -30,12 +30,13 @@ def table(report: dict) -> str:
                      f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
                      f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
     rows = [["schedule", "D", "m", "images/mb", "cuts", "tiles, units", "step ms", "images/s", "vs mp", "efficiency",
-             "bubble"]]
+             "bubble (unequal busy)"]]
     for r in report["schedules"].values():
         rows.append([r["schedule"], str(r["groups"]), str(r["micro_batches"]), str(r["micro_batch_size"]),
                      ",".join(map(str, r["cuts"])), _tiles(r), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
                      "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
-                     "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}", f"{r['bubble']:.1%}"])
+                     "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}",
+                     f"{r['bubble']:.1%} ({r.get('unequal_busy', 0.0):.1%})"])
     lines += ["", *_grid(rows)]
     lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
                   f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s; "
