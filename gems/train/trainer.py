@@ -92,9 +92,10 @@ def enforce_memory_budget(engine: Engine, budget: int) -> None:
     private writable memory (heap and anonymous mappings, where tensors live) and not shared
     libraries, MPI's shared-memory segments or merely reserved address space, which RLIMIT_AS
     would count; so the interpreter, torch and MPI are the baseline and the budget is left for
-    training. Set once the engine is built, so MPI and torch start unhindered; data-loading
-    workers, forked later, inherit it (Linux only). A thread started later counts its stack
-    (8 MiB, mostly untouched), and below some tens of MiB of budget oneDNN's first kernels may
+    training. Set once the engine is built, so MPI and torch start unhindered (Linux only).
+    Data-loading workers start from a fork server (gems.train.workers), which the first stage's
+    ranks start before this, so their workers are not under it (a worker's memory is not the
+    rank's tensors). A thread started later counts its stack (8 MiB, mostly untouched), and below some tens of MiB of budget oneDNN's first kernels may
     fail, or crash, before any tensor does: the limit is meant for budgets of GiBs.
     """
     if engine.device.type == "cuda":
