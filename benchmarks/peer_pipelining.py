@@ -35,7 +35,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
-from gems.bench import BenchConfig, micro_batches_for, sgd
+from gems.bench import BenchConfig, micro_batches_for
+from gems.train.optim import sgd
 
 # name -> (class, stages per rank, placement of a rank's stages)
 TORCH_SCHEDULES = {"gpipe": (ScheduleGPipe, 1, "loop"), "1f1b": (Schedule1F1B, 1, "loop"),

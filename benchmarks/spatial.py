@@ -23,7 +23,7 @@ from torch import nn
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
-from gems.bench import sgd
+from gems.train.optim import sgd
 
 LR = 0.01   # every run's SGD (gems-bench's: momentum 0.9, fused where torch can)
 

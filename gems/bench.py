@@ -73,7 +73,7 @@ from gems.pipeline.topology import ranks_per_group
 from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, model_kwargs, opt,
                                tile_count)
 from gems.train.losses import make_loss
-from gems.train.optim import fused
+from gems.train.optim import sgd
 
 
 @dataclass
@@ -196,12 +196,6 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(cfg.seed)
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=g)
     return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
-
-
-def sgd(params, lr: float) -> torch.optim.SGD:
-    """The optimizer of every run, the reference's too: SGD with momentum 0.9, fused where torch can."""
-    params = list(params)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=fused(params))
 
 
 def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,

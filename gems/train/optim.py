@@ -54,6 +54,13 @@ def fused(params: Iterable[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params)
 
 
+def sgd(params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.9) -> torch.optim.SGD:
+    """Plain SGD with momentum, fused where torch can: gems-bench's and the benchmarks' optimizer, for
+    gems's runs and for the runs they are compared with alike."""
+    params = list(params)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, fused=fused(params))
+
+
 def make_optimizer(cfg: TrainConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
     """``params -> optimizer`` as ``gems.Engine`` takes it."""
     def build(params):
