@@ -95,8 +95,9 @@ def enforce_memory_budget(engine: Engine, budget: int) -> None:
     training. Set once the engine is built, so MPI and torch start unhindered (Linux only).
     Data-loading workers start from a fork server (gems.train.workers), which the first stage's
     ranks start before this, so their workers are not under it (a worker's memory is not the
-    rank's tensors). A thread started later counts its stack (8 MiB, mostly untouched), and below some tens of MiB of budget oneDNN's first kernels may
-    fail, or crash, before any tensor does: the limit is meant for budgets of GiBs.
+    rank's tensors). A thread started later counts its stack (8 MiB, mostly untouched), and
+    below some tens of MiB of budget oneDNN's first kernels may fail, or crash, before any
+    tensor does: the limit is meant for budgets of GiBs.
     """
     if engine.device.type == "cuda":
         # The fraction bounds what the caching allocator reserves anew; blocks it already caches

@@ -9,7 +9,7 @@ server's "alive" pipe (multiprocessing passes it so that children may start proc
 rank dies without cleaning up (SIGKILL, the OOM killer), neither notices: torch's worker watchdog
 compares the worker's parent with the fork server, which lives while the worker holds its pipe, and the
 resource tracker lives while either does. A launcher that kills the rank's process group hides this;
-a plain ``python`` run, or a launcher that reaps only the rank, left all three behind for good. Each
+a plain ``python`` run, or a launcher that reaps only the rank, would leave all three behind. Each
 worker therefore watches its rank itself (``watch_rank``) and exits the moment the rank has ended; the
 fork server and resource tracker then see their pipes close and end too.
 """
