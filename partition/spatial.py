@@ -40,7 +40,7 @@ from gems.errors import GemsError
 from gems.pipeline.simulate import V100_CLUSTER
 from gems.plan import Plan
 from gems.spatial.geometry import grids
-from gems.spatial.limit import Reach, suffix_limit
+from gems.spatial.limit import Reach, sizes_of, suffix_limit
 from gems.spatial.stage import check_grid
 from .costs import CostModel, highest
 from .policy import PolicyModel
@@ -196,7 +196,7 @@ class Suffixes:
     """The suffixes worth pricing behind a prefix (``after``): the one starting at ``start`` when
     given, else, for a model whose output is an image (a U-Net's), those among a few starts spread
     over what follows the prefix and the starts with the smallest boundaries (a cheap scatter)
-    whose units can all be tiled (``suffix_limit``, one fake pass per start, kept)."""
+    whose units can all be tiled (``suffix_limit`` on the sizes of one fake pass, each start's Reach kept)."""
 
     def __init__(self, units: Sequence, names: Sequence[str], image: Sequence[int], stages: int,
                  start: int | None, prof: ModelProfile, count: int = 4) -> None:
@@ -205,10 +205,13 @@ class Suffixes:
         shapes = prof.units[-1].output_shapes
         self.dense = len(shapes) == 1 and len(shapes[0]) == 3 and min(shapes[0][1:]) > 1
         self._reach: dict[int, Reach | None] = {}
+        self._shapes: list[dict] | None = None   # every unit's sizes, from one fake pass for all starts
 
     def reach(self, start: int) -> Reach | None:
         if start not in self._reach:
-            self._reach[start] = suffix_limit(self.units, self.names, self.image, start)
+            if self._shapes is None:
+                self._shapes = sizes_of(self.units, self.image)
+            self._reach[start] = suffix_limit(self.units, self.names, self.image, start, self._shapes)
         return self._reach[start]
 
     def after(self, end: int, cuts: list[int] | None = None) -> list[Reach]:

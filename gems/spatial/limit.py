@@ -127,12 +127,20 @@ def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: 
     return Reach(len(units), None, windows, sizes, list(names))
 
 
-def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequence[int], start: int) -> Reach | None:
+def sizes_of(units: Sequence[nn.Module], image: Sequence[int]) -> list[dict]:
+    """``record_sizes`` of all the units, flattened as the runtime runs them, from an image batch of
+    ``image``: what ``suffix_limit`` takes to try many starts on one fake pass."""
+    return record_sizes([flatten(unit) for unit in units], torch.Size(image))
+
+
+def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequence[int], start: int,
+                 shapes: Sequence[dict] | None = None) -> Reach | None:
     """The Reach of units [start, n) run on tiles, their inputs (images, all of them) scattered
     from the leader; None when one of those units cannot be tiled, or leaves nothing tiled before
-    the model's end (then a suffix there saves nothing)."""
+    the model's end (then a suffix there saves nothing). ``shapes``: ``sizes_of(units, image)``, for a
+    caller trying many starts (one fake pass, not one each)."""
     tail = [flatten(unit) for unit in units[start:]]
-    shapes = record_sizes(tail, torch.Size(image), units[:start])
+    shapes = record_sizes(tail, torch.Size(image), units[:start]) if shapes is None else shapes[start:]
     try:
         scattered = input_shapes(tail[0], shapes[0], names[start])
     except GemsError:
