@@ -142,9 +142,12 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list
     add({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
     bench_json = work / "bench.json"
     bench = run([mpiexec, "-n", "2", *command("gems-bench"), *LAYOUT, "--schedules", "mast", "--steps", "5",
-                 "--warmup", "2", "--no-reference", "--allow-shared-gpu", "--json", str(bench_json)], timeout=timeout)
+                 "--warmup", "2", "--allow-shared-gpu", "--json", str(bench_json)], timeout=timeout)
     if bench_json.exists():
-        rows = json.loads(bench_json.read_text())["schedules"].values()
+        result = json.loads(bench_json.read_text())
+        rows = result["schedules"].values()
+        ref = result.get("reference") or {}
+        bench["reference"] = {k: ref.get(k) for k in ("images_per_s", "step_time", "peak_memory")} if ref else None
         bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory")}
                          for r in rows]
     add({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
@@ -193,6 +196,10 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
                          f"({mem['error']})" + (" **estimate off by more than 10%**" if off else ""))
         for r in part.get("runs", []):
             lines.append(f"- {r['schedule']}: {r['images_per_s']} images/s, bubble {r['bubble']}")
+        if part.get("reference"):
+            ref = part["reference"]
+            lines.append(f"- plain PyTorch loop (one rank, whole model): {ref['images_per_s']:.3f} images/s, "
+                         f"step {ref['step_time'] * 1e3:.1f} ms, peak {ref['peak_memory'] / 2**30:.2f} GiB")
         if part["code"] != 0:
             lines += ["", "```", part["stdout"][-3000:], part["stderr"][-2000:], "```"]
     return "\n".join(lines) + "\n"
