@@ -1,14 +1,32 @@
 """Installs gems. The source folders partition/ and models/ become gems.partition and
 gems.models, so nothing generic (a top-level ``models``) lands in site-packages."""
+from pathlib import Path
+
 from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+SOURCES = {"gems": "gems", "gems.partition": "partition", "gems.models": "models"}
+
+
+def packages() -> list[str]:
+    """Every folder holding an ``__init__.py`` under the three source folders, named as installed:
+    a new subpackage cannot be left out of the wheel. (setuptools' automatic discovery refuses this
+    flat layout, and a hand-kept list once missed gems.spatial.)"""
+    found = []
+    for package, folder in SOURCES.items():
+        root = HERE / folder
+        found += [".".join([package, *init.parent.relative_to(root).parts])
+                  for init in sorted(root.rglob("__init__.py"))]
+    return found
+
 
 setup(
     name="gems",
     version="0.1.0",
     description="Memory-aware pipeline training of CNNs on very large images (GEMS-MAST)",
     python_requires=">=3.10",
-    packages=["gems", "gems.plan", "gems.cli", "gems.comm", "gems.graph", "gems.pipeline", "gems.obs", "gems.train", "gems.partition", "gems.models"],
-    package_dir={"gems": "gems", "gems.partition": "partition", "gems.models": "models"},
+    packages=packages(),
+    package_dir=SOURCES,
     install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm", "tifffile"],
     extras_require={
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and

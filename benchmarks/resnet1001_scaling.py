@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from gems import models
 from gems.partition import plan
-from gems.pipeline.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, costs_from_plan, simulate
-from gems.pipeline.sweep import scaling
+from gems.schedule.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, costs_from_plan, simulate
+from gems.schedule.sweep import scaling
 from gems.units import format_size
 
 
 def main(argv: Sequence[str]) -> None:
     """Print a weak-scaling prediction of pre-activation ResNet-1001 under mast on a V100 cluster."""
-    parser = argparse.ArgumentParser(prog="python -m gems.pipeline.simulate resnet1001")
+    parser = argparse.ArgumentParser(prog="python -m gems.schedule.simulate resnet1001")
     parser.add_argument("--image-size", type=int, default=384, help="square images (384: fits a 16 GB V100 at K=4)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of fp32 peak sustained")

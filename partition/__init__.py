@@ -13,7 +13,8 @@ Modules, in the order of the flow (each imports only from its own step or earlie
   ``policy`` (what recompute / offload keep and cost for one stage; ``segments``: its exact
   recompute segmentation), ``costs`` (memory / time / FLOPs of a stage on a position under a
   schedule, as matrices over segments);
-* solve: ``solver`` (exact min-max cuts, plain or mirrored), ``budget`` (the cheapest
+* solve: ``solver`` (exact min-max cuts: ``loads``, the costs and each position's load;
+  ``plain`` and ``mirrored``, the DPs of either placement), ``budget`` (the cheapest
   policies within a memory budget, the smallest stage count that fits);
 * assemble: ``planner`` (``plan()``: validation and building the Plan), ``backward`` (with
   ``split_backward`` None: the plan with the backward split or without, whichever is faster and fits).

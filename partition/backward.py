@@ -2,7 +2,7 @@
 
 Splitting each backward into an input-gradient and a later weight-gradient action
 (``gems.pipeline.splitgrad``) lets the schedule put weight-gradients into bubbles, but it is not
-always faster: the split orders of the schedule search (``gems.pipeline.search``) are tuned for
+always faster: the split orders of the schedule search (``gems.schedule.search``) are tuned for
 balanced stages, and the input-gradient pass holds the gradients at each layer's output until
 the weight-gradient pass (``CostModel.split``). So ``auto`` plans both ways and keeps
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gems.errors import GemsError
-from gems.pipeline.simulate import IDEAL, costs_from_plan, simulate
-from gems.pipeline.topology import ranks_per_group
 from gems.plan import Plan
+from gems.schedule.simulate import IDEAL, costs_from_plan, simulate
+from gems.schedule.topology import ranks_per_group
 from gems.units import format_ms, format_size
 
 # The words of --split-backward, and what plan(split_backward=...) makes of each (None: auto).

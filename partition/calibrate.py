@@ -1,7 +1,7 @@
 """Measure this device instead of assuming a V100 on PCIe 3 (``gems-plan --calibrate``).
 
 Without measurements the planner prices FLOPs at a V100's fp32 peak times an efficiency
-(``gems.pipeline.simulate.V100_FLOPS`` x ``EFFICIENCY``) and offloading at PCIe 3 x16
+(``gems.schedule.simulate.V100_FLOPS`` x ``EFFICIENCY``) and offloading at PCIe 3 x16
 (``options.HOST_BANDWIDTH``). ``calibrate`` measures both here:
 
 * sustained FLOP/s: a 3x3 convolution (what CNN FLOPs are; on CUDA cuDNN runs it as the model

@@ -9,7 +9,7 @@ held by position p costs
     flops   handled(p, s) * forward FLOPs of [lo, hi) per micro-batch
 
 static = parameters + gradients + optimizer state + buffers; in_flight comes from
-``gems.pipeline.schedule.in_flight`` (micro-batches whose activations are alive at once at the
+``gems.schedule.generators.in_flight`` (micro-batches whose activations are alive at once at the
 peak); handled(p, s) = m times the number of replicas that run stage s on position p. The
 transient part (working memory of one forward or backward) counts once per position: a
 position runs one stage at a time. Without measured times, "time" counts forward plus
@@ -42,9 +42,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gems.pipeline import ir
-from gems.pipeline import schedule as schedules
 from gems.plan import StagePolicy
+from gems.schedule import ir
+from gems.schedule import generators as schedules
 from .policy import Holder, PolicyModel
 from .records import ModelProfile
 
@@ -104,7 +104,7 @@ def _or(matrix, default):
 def highest(moments: list[schedules.Moment], kept: dict[int, int], transient: dict[int, int],
             back: dict[int, int] | None = None,
             between: dict[int, int] | None = None) -> tuple[dict[int, int], int, int]:
-    """A position's highest moment (``gems.pipeline.schedule.moments``): its live micro-batches per
+    """A position's highest moment (``gems.schedule.generators.moments``): its live micro-batches per
     stage, the bytes they keep -- plus ``between`` per micro-batch between the halves of a split
     backward (none without) -- and the transient bytes then: the stage computed's, plus ``back``
     of the stage whose offloaded tensors its prefetch brings back during it (none without)."""
@@ -120,7 +120,7 @@ def host_moments(actions: list[ir.Action]) -> list[tuple[int | None, dict[int, i
     """Every distinct moment of one position's compute actions for offload's host memory:
     (the stage of the waiting forward computed then, else None; {stage: earlier waiting
     forwards whose offloaded tensors are in host memory}). Those leave as the compute action
-    before their backward begins (``gems.pipeline.schedule.prefetch_points``)."""
+    before their backward begins (``gems.schedule.generators.prefetch_points``)."""
     def key(a: ir.Action) -> tuple[int, int, int]:
         return a.replica, a.micro, a.stage
     waiting = {key(a) for a in schedules.waiting_forwards(actions)}
@@ -204,7 +204,7 @@ class CostModel:
                          self.split, self.spatial_end, self.spatial_start, order)
 
     def holds(self, position: int) -> list[int]:
-        """Stages a position holds (mirrored: p and K-1-p), per ``gems.pipeline.schedule.holds``."""
+        """Stages a position holds (mirrored: p and K-1-p), per ``gems.schedule.generators.holds``."""
         return self._holds[position]
 
     def handled(self, position: int, stage: int) -> int:
@@ -214,7 +214,7 @@ class CostModel:
 
     def waiting(self, position: int, stage: int) -> int:
         """Forwards of ``stage`` on ``position`` per step whose backward is not the next compute
-        action (``gems.pipeline.schedule.waiting_forwards``): those a policy applies to in full."""
+        action (``gems.schedule.generators.waiting_forwards``): those a policy applies to in full."""
         return self._waiting[position][stage]
 
     def holders(self, stage: int) -> list[Holder]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .costs import CostModel
-from .solver import evaluate, solve
+from .loads import evaluate
+from .solver import solve
 
 
 def balanced_cuts(costs: CostModel, balance_by: str, cuts: list[int] | None = None) -> tuple[list[int], list[float]]:

@@ -14,7 +14,7 @@ position, while it computes one forward of stage [lo, hi), the device holds
     messages   receive buffers posted and not yet consumed, and send buffers whose transfer may
                still be under way.
 
-Receive buffers follow ``gems.pipeline.p2p.Messenger`` exactly: its posting (``gems.pipeline.posting``) is a
+Receive buffers follow ``gems.pipeline.p2p.Messenger`` exactly: its posting (``gems.schedule.posting``) is a
 function of the action lists and ``prefetch`` alone, so :func:`_posted_receives` replays it. When a
 send completes depends on timing; a send is counted alive until its receiver has consumed it,
 unless that is known to have happened before the forward in question -- the receiver's
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gems.pipeline import ir
-from gems.pipeline import schedule as schedules
-from gems.pipeline.posting import PREFETCH, Posting
 from gems.pipeline.routes import Routes
+from gems.schedule import ir
+from gems.schedule import generators as schedules
+from gems.schedule.posting import PREFETCH, Posting
 from .records import ModelProfile
 
 

@@ -1,6 +1,6 @@
 """The plan's order of compute: the schedule search's candidates replayed on the plan's own stage costs.
 
-The schedule search (``gems.pipeline.search``) ranks its candidate orders in ticks, every stage
+The schedule search (``gems.schedule.search``) ranks its candidate orders in ticks, every stage
 costing alike, so that every rank can derive an order from (schedule, K, m) alone. Planned stages
 seldom cost alike: cuts balanced by memory (the default) give the stage of the last, small
 activations most of the FLOPs, and a spatial part or a memory policy adds time to some stages
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gems.pipeline import search
-from gems.pipeline.simulate import costs_from_plan
 from gems.plan import Plan
+from gems.schedule import search
+from gems.schedule.simulate import costs_from_plan
 from gems.units import format_ms
 from .backward import TIE, predicted_step
 

@@ -30,8 +30,8 @@ CUDA-aware MPI's registrations) are not counted.
 """
 from __future__ import annotations
 
-from gems.pipeline import schedule as schedules
-from gems.pipeline.topology import Topology
+from gems.schedule import generators as schedules
+from gems.schedule.topology import Topology
 
 CUDA_CONTEXT_BYTES = 771 * 2**20
 NCCL_COMMUNICATOR_BYTES = 688 * 2**20

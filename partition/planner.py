@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from gems.pipeline import schedule as schedules
 from gems.errors import GemsError
 from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
 from gems.pipeline.routes import Routes
-from gems.pipeline.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
-from gems.units import format_size, parse_size
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.schedule import generators as schedules
+from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
 from gems.spatial.limit import spatial_limit
+from gems.units import format_size, parse_size
 from .backward import choose, predicted_step, split_mode
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds

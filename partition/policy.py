@@ -16,12 +16,12 @@ position runs one stage at a time)::
               ones are done and freed), the segment's rematerialised bytes and its own working
               memory W[a, b] (without recompute, the stage's W hides under activations of later
               units already freed) (back = what returns from the host; without recompute, A - kept)
-    peak    = static + at the position's highest moment (``gems.pipeline.schedule.moments``): f x kept
+    peak    = static + at the position's highest moment (``gems.schedule.generators.moments``): f x kept
               of every stage alive then + working + extra of the stage computed (the solver
               balances a bound: sum over its stages of f x kept + max over them of working + extra)
 
 A forward whose next compute action is its own backward (*immediate*, as opposed to
-*waiting*: ``gems.pipeline.schedule.waiting_forwards``) offloads nothing and leaves its stage's last
+*waiting*: ``gems.schedule.generators.waiting_forwards``) offloads nothing and leaves its stage's last
 segment unchecked; it reaches the same peak. Time added per step on a position, with seconds
 per unit from FLOPs at the device rate (or measured times)::
 

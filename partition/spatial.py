@@ -23,7 +23,7 @@ as usual::
 
 Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
 of one rank, the gather at ``end`` (the leader receives all but its own tile) and a suffix's
-scatter and output gather, each once in forward and once back in backward, over the intra-node link of ``gems.pipeline.simulate``'s
+scatter and output gather, each once in forward and once back in backward, over the intra-node link of ``gems.schedule.simulate``'s
 V100 cluster (a tile group exchanges at every layer, so it belongs on one node); group sums of
 normalisation statistics (a few bytes) are not counted. ``Tiling.seconds``.
 
@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from gems.errors import GemsError
-from gems.pipeline.simulate import V100_CLUSTER
 from gems.plan import Plan
+from gems.schedule.simulate import V100_CLUSTER
 from gems.spatial.geometry import grids
 from gems.spatial.limit import Reach, sizes_of, suffix_limit
 from gems.spatial.stage import check_grid

@@ -27,9 +27,9 @@ from torch import nn
 import gems
 from gems import models, partition
 from gems.comm import loopback
-from gems.pipeline import schedule as sch
 from gems.pipeline.stage import checkpointed_segments
 from gems.plan import StagePolicy
+from gems.schedule import generators as sch
 
 SIDE = 16
 CLASSES = 5

@@ -26,7 +26,7 @@ from gems import partition
 from gems.comm import loopback
 from gems.errors import GemsError
 from gems.graph import graph_units
-from gems.pipeline import schedule as sch
+from gems.schedule import generators as sch
 
 from equivalence import check_reference
 

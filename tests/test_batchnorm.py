@@ -26,9 +26,9 @@ import gems.pipeline.offload
 from gems.cli.train import parse
 from gems.comm import loopback
 from gems.errors import GemsError
-from gems.pipeline import schedule as sch
 from gems.pipeline.batchnorm import MODES, BatchNorms
-from gems.pipeline.schedule import SCHEDULES
+from gems.schedule import generators as sch
+from gems.schedule.generators import SCHEDULES
 from gems.train.config import TrainConfig
 
 from equivalence import (SIDE, Mismatch, build, check_copies, check_reference, count_unit_calls, data, describe,

@@ -16,11 +16,11 @@ import torch
 
 from conftest import REPO, run_mpi
 from gems import bench, models, partition
-from gems.obs import bench_report
-from gems.pipeline import schedule as sch
 from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
 from gems.comm import loopback
 from gems.errors import GemsError
+from gems.obs import bench_report
+from gems.schedule import generators as sch
 
 BENCH = Path(sys.executable).parent / "gems-bench"
 TINY = "tests/assets/tiny_model.py:tiny"

@@ -19,9 +19,9 @@ import torch
 
 import gems.pipeline.offload
 import gems.pipeline.stage
-from gems.pipeline import ir
-from gems.pipeline import schedule as sch
-from gems.pipeline.schedule import SCHEDULES
+from gems.schedule import ir
+from gems.schedule import generators as sch
+from gems.schedule.generators import SCHEDULES
 
 from equivalence import batch_size, check_copies, describe, reference, run_loopback
 

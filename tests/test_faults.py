@@ -49,8 +49,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DISTRIBUTED, REPO, _kill_tree, mpiexec, tagged
+from gems.schedule import generators as sch
 from gems.train import checkpoint
-from gems.pipeline import schedule as sch
 
 WORKER = DISTRIBUTED / "fault_worker.py"
 BASE = ["--model", "tests/assets/tiny_model.py:tiny", "--image-size", "16", "--no-progress",

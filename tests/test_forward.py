@@ -19,8 +19,8 @@ from torch import nn
 import gems
 from gems import partition
 from gems.comm import loopback
-from gems.pipeline import schedule as sch
 from gems.pipeline.loss import SumLoss
+from gems.schedule import generators as sch
 
 C, SIDE, STEPS = 3, 8, 2
 

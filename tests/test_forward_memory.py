@@ -18,7 +18,7 @@ from gems.comm import loopback
 from gems.errors import GemsError
 from gems.obs import memory
 from gems.partition.forward import _messages_alive
-from gems.pipeline import schedule as sch
+from gems.schedule import generators as sch
 from gems.train.trainer import check_validation_memory
 
 SIZE = 1000.0   # bytes of every message in the layouts below

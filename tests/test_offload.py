@@ -22,12 +22,12 @@ from gems.errors import GemsError
 from gems.partition import Plan, profile
 from gems.partition.costs import CostModel, host_moments, unit_seconds
 from gems.partition.policy import PolicyModel
-from gems.pipeline import schedule as sch
 from gems.pipeline.executor import Executor
-from gems.pipeline.schedule import prefetch_points
 from gems.pipeline.offload import HostPool, _Offload
 from gems.pipeline.stage import StageRunner
 from gems.plan import StagePolicy
+from gems.schedule import generators as sch
+from gems.schedule.generators import prefetch_points
 
 from test_policies import ROWS, SIDE, SoloComm, plain
 

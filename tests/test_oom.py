@@ -14,9 +14,9 @@ import torch
 from conftest import DISTRIBUTED, REPO, run_mpi
 from gems import partition
 from gems.errors import GemsError
-from gems.pipeline.ir import describe_action
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
-from gems.pipeline.schedule import Action
+from gems.schedule.generators import Action
+from gems.schedule.ir import describe_action
 
 WORKER = DISTRIBUTED / "oom_worker.py"
 TRAIN = Path(sys.executable).parent / "gems-train"

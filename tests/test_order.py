@@ -13,10 +13,10 @@ from gems import partition
 from gems.errors import GemsError
 from gems.partition.backward import predicted_step
 from gems.partition.costs import highest
-from gems.pipeline import schedule as sch, search, simulate
-from gems.pipeline.simulate import IDEAL, costs_from_plan
-from gems.pipeline.sweep import sweep
-from gems.pipeline.validate import validate
+from gems.schedule import generators as sch, search, simulate
+from gems.schedule.simulate import IDEAL, costs_from_plan
+from gems.schedule.sweep import sweep
+from gems.schedule.validate import validate
 
 from equivalence import run_loopback
 

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from gems.comm.loopback import LoopbackComm
-from gems.pipeline import ir, schedule as sch, simulate
-from gems.pipeline.validate import validate
+from gems.schedule import generators as sch, ir, simulate
+from gems.schedule.validate import validate
 
 from equivalence import run_loopback
 

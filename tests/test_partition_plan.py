@@ -11,10 +11,10 @@ from gems.errors import GemsError
 from gems.graph import graph_units
 from gems.models import build
 from gems.partition import CostModel, Plan, plan, profile, solve
-from gems.partition.costs import memory_floor
 from gems.partition.accuracy import toy_model
-from gems.pipeline.schedule import holds, in_flight, schedule
-from gems.pipeline.schedule import moments as moments_of
+from gems.partition.costs import memory_floor
+from gems.schedule.generators import holds, in_flight, schedule
+from gems.schedule.generators import moments as moments_of
 from gems.units import format_size
 
 SHAPE = (3, 32, 32)

@@ -16,7 +16,7 @@ from gems.partition.costs import CostModel, unit_seconds
 from gems.partition.options import KINDS, kinds, parse_bandwidth
 from gems.partition.policy import Holder, PolicyModel
 from gems.partition.segments import best_segments
-from gems.pipeline.schedule import SCHEDULES
+from gems.schedule.generators import SCHEDULES
 
 SHAPE = (3, 32, 32)
 

@@ -1,4 +1,4 @@
-"""gems.partition.solver: exact min-max cuts, plain and mirrored, against brute force."""
+"""The cut solver (gems.partition.solver, loads, plain, mirrored): exact min-max cuts against brute force."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from gems.errors import GemsError
-from gems.partition.solver import cuts_from_balance, evaluate, holds, solve
+from gems.partition.loads import evaluate, holds
+from gems.partition.solver import cuts_from_balance, solve
 
 
 def brute_force(n, K, cost, transient, mirror):

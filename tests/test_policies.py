@@ -16,11 +16,11 @@ import gems
 import gems.pipeline.offload
 import gems.pipeline.stage
 from gems import models, partition
-from gems.pipeline import schedule as sch
 from gems.comm.base import Backoff, Comm, Group, Request
-from gems.plan import StagePolicy
 from gems.pipeline.stage import StageRunner, checkpointed_segments
+from gems.plan import StagePolicy
 from gems.plan import MIN_OFFLOAD_BYTES
+from gems.schedule import generators as sch
 
 SIDE = 32          # 4 rows x 8 channels x 32 x 32 floats = 128 KiB per activation: above MIN_OFFLOAD_BYTES
 ROWS = 4           # per micro-batch

@@ -1,9 +1,9 @@
 """Schedules are complete and deadlock-free for every K and m; the validator catches faults."""
 import pytest
 
-from gems.pipeline import schedule as sch
-from gems.pipeline.validate import validate
 from gems.errors import GemsError
+from gems.schedule import generators as sch
+from gems.schedule.validate import validate
 
 
 def configs():

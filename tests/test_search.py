@@ -8,8 +8,8 @@ import json
 import pytest
 
 from gems.cli import sim
-from gems.pipeline import ir, peers, schedule as sch, search, simulate
-from gems.pipeline.ir import replay
+from gems.schedule import generators as sch, ir, peers, search, simulate
+from gems.schedule.ir import replay
 
 
 def mast(K: int, m: int, split: bool) -> float:

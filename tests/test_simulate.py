@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from gems.pipeline import schedule as sch
 from gems.errors import GemsError
 from gems.plan import StageEstimate
-from gems.pipeline.simulate import IDEAL, Costs, Network, costs_from_plan, simulate
-from gems.pipeline.sweep import scaling, sweep
+from gems.schedule import generators as sch
+from gems.schedule.simulate import IDEAL, Costs, Network, costs_from_plan, simulate
+from gems.schedule.sweep import scaling, sweep
 
 
 def equal(K, f=1.0, b=2.0, boundary=0, activation=None, params=None):

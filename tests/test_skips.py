@@ -25,12 +25,12 @@ from gems.comm import loopback
 from gems.errors import GemsError
 from gems.graph import graph_units, stage_routes
 from gems.graph.split import LIVE_IN
-from gems.pipeline import ir
-from gems.pipeline import schedule as sch
+from gems.partition.profile import profile
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.packing import Layout
 from gems.pipeline.routes import Routes
-from gems.partition.profile import profile
+from gems.schedule import ir
+from gems.schedule import generators as sch
 
 from equivalence import check_reference
 from test_any_model import UNet
@@ -154,7 +154,7 @@ def test_layouts_round_trip_and_check_the_header():
 
 
 def test_skip_actions_sit_beside_their_computations_and_validate():
-    from gems.pipeline.validate import validate   # noqa: PLC0415
+    from gems.schedule.validate import validate   # noqa: PLC0415
 
     for name, K, m in [("mast", 4, 2), ("1f1b", 4, 4), ("gpipe", 3, 2), ("mast", 3, 1)]:
         skips = [(0, K - 1)] + ([(1, 3)] if K > 3 else [])

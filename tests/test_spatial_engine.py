@@ -24,8 +24,8 @@ import gems
 from gems import partition
 from gems.comm import loopback
 from gems.graph import graph_units
+from gems.schedule.topology import ranks_per_group
 from gems.spatial import flatten
-from gems.pipeline.topology import ranks_per_group
 from models.unet import UNet
 from conftest import DISTRIBUTED
 from spatial_models import BatchNormNet, GroupNormNet

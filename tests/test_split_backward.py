@@ -13,9 +13,9 @@ from torch import nn
 import gems.pipeline.offload
 from gems import models
 from gems.partition.profile import profile
-from gems.pipeline import ir, schedule as sch
 from gems.pipeline.splitgrad import input_half, weight_half
-from gems.pipeline.validate import validate
+from gems.schedule import generators as sch, ir
+from gems.schedule.validate import validate
 
 from equivalence import make_plan, run_loopback
 

@@ -1,7 +1,7 @@
 import pytest
 
 from gems.errors import GemsError
-from gems.pipeline.topology import Topology
+from gems.schedule.topology import Topology
 
 
 def test_coords_and_groups():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpi
-from gems.pipeline import schedule as sch
 from gems.obs import trace
+from gems.schedule import generators as sch
 
 TRAIN = Path(sys.executable).parent / "gems-train"
 TINY = "tests/assets/tiny_model.py:tiny"
@@ -83,8 +83,8 @@ def test_gems_train_writes_a_trace_with_every_action_of_the_schedule(tmp_path):
 
 
 def test_trace_png_without_matplotlib_is_a_user_error(monkeypatch):
-    from gems.train.config import TrainConfig
     from gems.errors import GemsError
+    from gems.train.config import TrainConfig
 
     monkeypatch.setattr(trace, "have_matplotlib", lambda: False)
     with pytest.raises(GemsError, match="matplotlib"):

@@ -12,7 +12,7 @@ of 2 ranks (world = groups x (stages + (P-1) x positions holding stage 0); K def
 
 Prints images/s, the ratio to mp, efficiency against world x one unpartitioned rank, the bubble
 fraction, the simulator's prediction from the measured stage times, and peak memory per rank
-(measured and planned). See ``gems.bench`` for how each figure is defined.
+(measured and planned). See ``gems.bench.runner`` for how each figure is defined.
 """
 from __future__ import annotations
 

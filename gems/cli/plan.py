@@ -29,8 +29,8 @@ import sys
 from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
-from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, model_kwargs
 from gems.errors import GemsError
+from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, model_kwargs
 from gems.units import format_size, parse_size
 
 PROG = "gems-plan"
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gems.partition.overhead import COMMS
     from gems.partition.planner import AMP
     from gems.partition.spatial import parse_spatial
-    from gems.pipeline.schedule import SCHEDULES
+    from gems.schedule.generators import SCHEDULES
 
     p = parser(PROG, "Profile a model at its real input size and cut it into pipeline stages.")
     p.add_argument("--model", required=True, help=MODEL_HELP)
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--simulate", action="store_true",
                    help="predict step time, throughput and bubbles of this plan and of every schedule "
-                        "at the same K and m (gems.pipeline.simulate)")
+                        "at the same K and m (gems.schedule.simulate)")
     p.add_argument("--sweep", type=checked(positive), metavar="RANKS",
                    help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8 and D = RANKS / K at "
                         "this --batch-size (under --memory-budget, with --recompute/--offload as given) and "
@@ -182,7 +182,7 @@ def _speeds(args: argparse.Namespace) -> None:
     from gems.partition.calibrate import calibrate
     from gems.partition.options import HOST_BANDWIDTH
     from gems.partition.planner import AMP
-    from gems.pipeline.simulate import EFFICIENCY, V100_FLOPS
+    from gems.schedule.simulate import EFFICIENCY, V100_FLOPS
 
     rate, efficiency, bandwidth = V100_FLOPS, EFFICIENCY, HOST_BANDWIDTH
     if args.calibrate:
@@ -199,7 +199,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     from gems.models import build
     from gems.partition import measure_times, plan
-    from gems.pipeline.schedule import replicas
+    from gems.schedule.generators import replicas
 
     if args.stages is None and not args.sweep:
         raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
@@ -252,7 +252,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
-    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan, simulate
+    from gems.schedule.simulate import V100_CLUSTER, costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
     lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
@@ -280,8 +280,8 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
     """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (``options`` shares the profiles
     of each micro-batch size), simulated, filtered by the memory budget, fastest first."""
     from gems.partition import plan
-    from gems.pipeline.simulate import V100_CLUSTER, costs_from_plan
-    from gems.pipeline.sweep import sweep
+    from gems.schedule.simulate import V100_CLUSTER, costs_from_plan
+    from gems.schedule.sweep import sweep
 
     world, plans, over = args.sweep, {}, []
     rate = args.device_tflops * 1e12

@@ -9,7 +9,7 @@ optimizer left out: the sum over positions of compute time / (positions x step t
 
 K (--stages) counts positions (devices). M (--micro-batches) is micro-batches per replica for
 mast, which runs two replicas (so 2M are in flight), and per pipeline for the others. ``zbv`` and
-``dualpipev`` (other systems' schedules, ``gems.pipeline.peers``: 2K stages in a V, always with
+``dualpipev`` (other systems' schedules, ``gems.schedule.peers``: 2K stages in a V, always with
 the backward split) are modelled in the same way for comparison.
 
 Exit statuses: 0 printed, 2 bad input.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from gems.cli import parser, run
 from gems.errors import GemsError
-from gems.pipeline import peers, schedule as sch, simulate
-from gems.pipeline.search import memory_bound
-from gems.pipeline.validate import validate
+from gems.schedule import generators as sch, peers, simulate
+from gems.schedule.search import memory_bound
+from gems.schedule.validate import validate
 
 PROG = "gems-sim"
 

@@ -5,7 +5,9 @@ bfloat16 included. Copies happen only where they must: a non-contiguous tensor g
 contiguous staging tensor; a reduction over a dtype MPI cannot add (bfloat16, float8) runs in
 float32 and is rounded back; a CUDA tensor is staged through pinned host memory unless the MPI is
 CUDA-aware (``MPI.Query_cuda_support()`` or GEMS_CUDA_AWARE_MPI=1), in which case MPI gets the
-device tensor itself through ``__cuda_array_interface__``.
+device tensor itself through ``__cuda_array_interface__``. This module decides which a tensor
+needs; gems.comm.staging holds the parts: what the MPI can take, the views MPI is given, the
+side-stream copies and the pool of pinned buffers.
 
 MPI knows nothing of CUDA streams, so no operation is started before the GPU work it depends on
 is done, and the host never waits for the whole compute stream to find out::
@@ -25,14 +27,11 @@ no limit unless GEMS_MAX_MESSAGE_BYTES sets one.
 """
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import Any, Callable, NoReturn, Sequence
 
-import mpi4py
 import torch
 from mpi4py import MPI
-from mpi4py.util.dtlib import from_numpy_dtype
 from torch import Tensor
 
 from gems.comm.abort import mpi_abort
@@ -40,120 +39,18 @@ from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, by
                             max_message_bytes, message_tag)
 from gems.comm.placement import placement
 from gems.comm.ring import Ring, Scratch, even_bounds
+from gems.comm.staging import StagingPool, Wire, as_bytes, as_typed, copy_on, cuda_aware, large_count, mpi_can_sum
 from gems.errors import GemsError
 
-# Pinned buffers kept for reuse: a rank holding two stages (mast) sends and receives at most
-# eight distinct boundaries (activations and gradients, both directions, both stages).
-STAGING_BUFFERS = 8
-STAGING_BYTES = 2**31   # pinned memory cannot be paged out: cap what sits idle between steps
 # Host buffers of a group from this size on are summed and gathered by gems.comm.ring (measured there);
 # below it MPI's own collectives, whose fewer steps win where latency dominates.
 RING_BYTES = 2**20
 
 
-def cuda_aware() -> bool:
-    """Whether MPI can read and write device memory (GEMS_CUDA_AWARE_MPI=0/1 overrides the query)."""
-    override = os.environ.get("GEMS_CUDA_AWARE_MPI")
-    if override is not None:
-        return override == "1"
-    query = getattr(MPI, "Query_cuda_support", None)
-    return bool(query()) if query is not None else False
-
-
-def large_count() -> bool:
-    """Whether one MPI call can move 2**31 bytes or more: the MPI has MPI-4's large-count routines
-    (``MPI_Isend_c`` ...), which mpi4py 4 calls for every buffer (mpi4py 3 passes C ints)."""
-    return MPI.Get_version() >= (4, 0) and int(mpi4py.__version__.split(".")[0]) >= 4
-
-
-_REDUCIBLE: dict[torch.dtype, bool] = {}
-
-
-def mpi_can_sum(dtype: torch.dtype) -> bool:
-    """Whether MPI has a datatype it can add for ``dtype`` (numpy must know the dtype, MPI too)."""
-    if dtype not in _REDUCIBLE:
-        try:
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-            _REDUCIBLE[dtype] = from_numpy_dtype(np_dtype) != MPI.DATATYPE_NULL
-        except Exception:  # noqa: BLE001 -- numpy or MPI lacks the type: sum in float32 instead
-            _REDUCIBLE[dtype] = False
-    return _REDUCIBLE[dtype]
-
-
-def _as_bytes(wire: Tensor) -> Any:
-    """A uint8 view of the contiguous ``wire``: numpy on the host, the tensor itself on a GPU."""
-    flat = wire.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
-
-
-def _as_typed(wire: Tensor) -> Any:
-    """``wire`` with its element type visible to MPI (for reductions)."""
-    return wire if wire.is_cuda else wire.numpy()
-
-
-def _copy_on(stream: Any, dst: Tensor, src: Tensor) -> Any:
-    """Copy ``src`` into ``dst`` on ``stream`` without blocking the host; the event of its end.
-    The device tensor of the two is marked used on ``stream`` (``record_stream``)."""
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    (src if src.is_cuda else dst).record_stream(stream)
-    return event
-
-
-class StagingPool:
-    """Pinned host buffers through which GPU tensors meet an MPI that cannot read device memory.
-
-    A boundary has the same byte size every micro-batch, so buffers are kept by exact size and lent
-    again. At most ``max_buffers`` buffers and ``max_bytes`` bytes sit idle here (the oldest go
-    first; a larger buffer is never kept): pinned pages cannot be swapped out, so what the pool
-    keeps must stay small and known. ``held_bytes`` (idle here) and ``lent_bytes`` (in flight) say
-    how much pinned memory staging takes, for the planner to report. A buffer comes back with the
-    event after which its last copy has finished; it is lent again only once that event has
-    passed. ``pin=False`` gives ordinary memory (tests without a GPU)."""
-
-    def __init__(self, max_buffers: int = STAGING_BUFFERS, max_bytes: int = STAGING_BYTES, pin: bool = True) -> None:
-        self.max_buffers, self.max_bytes, self.pin = max_buffers, max_bytes, pin
-        self.held_bytes = self.lent_bytes = 0
-        self._idle: list[tuple[Tensor, Any]] = []   # (uint8 buffer, event or None), oldest first
-
-    def take(self, nbytes: int) -> Tensor:
-        """A uint8 buffer of ``nbytes`` bytes, reused when an idle one of that size is free."""
-        for i, (buf, copied) in enumerate(self._idle):
-            if buf.numel() == nbytes and (copied is None or copied.query()):
-                del self._idle[i]
-                self.held_bytes -= nbytes
-                break
-        else:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        self.lent_bytes += nbytes
-        return buf
-
-    def give(self, buf: Tensor, copied: Any = None) -> None:
-        """Take back ``buf``, whose last copy finishes with the CUDA event ``copied`` (None: done)."""
-        self.lent_bytes -= buf.numel()
-        if buf.numel() > self.max_bytes:
-            return
-        self._idle.append((buf, copied))
-        self.held_bytes += buf.numel()
-        while len(self._idle) > self.max_buffers or self.held_bytes > self.max_bytes:
-            self.held_bytes -= self._idle.pop(0)[0].numel()
-
-
-class _Wire:
-    """How one tensor meets MPI: ``data``, the contiguous tensor MPI reads or writes (the tensor
-    itself or a staging copy); ``ready``, a CUDA event that must pass before MPI may touch
-    ``data`` (None: at once); ``done``, run on completion to bring a staging copy back."""
-
-    def __init__(self, data: Tensor, ready: Any = None, done: Callable[[], Any] | None = None) -> None:
-        self.data, self.ready, self.done = data, ready, done
-
-
 class _Pending:
     """An operation in the queue: ``start`` gives its MPI requests once every wire is ready."""
 
-    def __init__(self, wires: Sequence[_Wire], start: Callable[[], list[Any]]) -> None:
+    def __init__(self, wires: Sequence[Wire], start: Callable[[], list[Any]]) -> None:
         self.wires, self.start = wires, start
         self.reqs: list[Any] | None = None
 
@@ -185,7 +82,7 @@ class MPIComm(Comm):
         self._scratch = Scratch()
 
     # -- staging ---------------------------------------------------------------------------------
-    def _wire(self, t: Tensor, load: bool, store: bool, reduce: bool = False) -> _Wire:
+    def _wire(self, t: Tensor, load: bool, store: bool, reduce: bool = False) -> Wire:
         """How ``t`` meets MPI. ``load``: the operation reads ``t``, so a staging copy starts with
         its data; ``store``: the operation writes ``t``, so a staging copy is copied back."""
         t = t.detach()
@@ -201,14 +98,14 @@ class MPIComm(Comm):
         if data.is_cuda:  # CUDA-aware MPI touches the memory once the GPU work before it is done
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
-        return _Wire(data, ready, (lambda: t.copy_(data)) if store and data is not t else None)
+        return Wire(data, ready, (lambda: t.copy_(data)) if store and data is not t else None)
 
     def _side_stream(self, device: torch.device) -> Any:
         if device not in self._side:
             self._side[device] = torch.cuda.Stream(device)
         return self._side[device]
 
-    def _host_staged(self, t: Tensor, data: Tensor, load: bool, store: bool) -> _Wire:
+    def _host_staged(self, t: Tensor, data: Tensor, load: bool, store: bool) -> Wire:
         """Stage the device tensor ``data`` (``t`` or its float32 copy) through a pinned buffer.
 
         Copies run on a side stream that first waits for an event on the current stream (the work
@@ -222,18 +119,18 @@ class MPIComm(Comm):
         produced.record(torch.cuda.current_stream(device))
         side.wait_event(produced)
         # record_stream: the allocator must not reuse the device tensor before the side copy is done
-        ready = _copy_on(side, host, data) if load else None
+        ready = copy_on(side, host, data) if load else None
 
         def done() -> None:
-            copied = _copy_on(side, t, host) if store else None
+            copied = copy_on(side, t, host) if store else None
             if copied is not None:
                 torch.cuda.current_stream(device).wait_event(copied)  # the consumer, not the host, waits
             self.staging.give(raw, copied)
-        return _Wire(host, ready, done)
+        return Wire(host, ready, done)
 
     def _pieces(self, data: Tensor) -> list[Any]:
         """MPI buffers for consecutive byte ranges of ``data``, each at most ``message_limit``."""
-        flat = _as_bytes(data)
+        flat = as_bytes(data)
         return [flat[a:b] for a, b in byte_ranges(data.numel() * data.element_size(), self.message_limit)]
 
     # -- the queue -------------------------------------------------------------------------------
@@ -243,7 +140,7 @@ class MPIComm(Comm):
             op = self._queue.popleft()
             op.reqs = op.start()
 
-    def _post(self, wires: Sequence[_Wire], start: Callable[[], list[Any]], describe: str,
+    def _post(self, wires: Sequence[Wire], start: Callable[[], list[Any]], describe: str,
               check: Callable[[list[Any]], None] | None = None, advance: Callable[[], bool] | None = None,
               release: Callable[[], Any] | None = None) -> Request:
         """Queue an operation and return its Request. ``check``, for receives, inspects the
@@ -338,7 +235,7 @@ class MPIComm(Comm):
         if wire.ready is None and self._rings(wire.data, group):
             return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,
                               f"allreduce over {self._members(group)}")
-        return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, _as_typed(wire.data), MPI.SUM)],
+        return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, as_typed(wire.data), MPI.SUM)],
                           f"allreduce over {self._members(group)}")
 
     def ibroadcast(self, tensor: Tensor, root: int, group: Group | None) -> Request:
@@ -355,12 +252,12 @@ class MPIComm(Comm):
     def iallgather_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
         if not self._rings(flat, group):
             return super().iallgather_runs(flat, bounds, group)
-        return self._ring(_Wire(flat), group, bounds, False, f"allgather over {self._members(group)}")
+        return self._ring(Wire(flat), group, bounds, False, f"allgather over {self._members(group)}")
 
     def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
         if not (mpi_can_sum(flat.dtype) and self._rings(flat, group)):
             return super().ireduce_scatter_runs(flat, bounds, group)
-        return self._ring(_Wire(flat), group, bounds, True, f"reduce-scatter over {self._members(group)}", False)
+        return self._ring(Wire(flat), group, bounds, True, f"reduce-scatter over {self._members(group)}", False)
 
     def _rings(self, data: Tensor, group: Group | None) -> bool:
         """Whether ``data`` goes through gems.comm.ring: a group's contiguous host tensor of RING_BYTES
@@ -368,7 +265,7 @@ class MPIComm(Comm):
         return (group is not None and group.size > 1 and not data.is_cuda and data.is_contiguous()
                 and data.numel() * data.element_size() >= RING_BYTES)
 
-    def _ring(self, wire: _Wire, group: Group, bounds: Sequence[int], reduce: bool, describe: str,
+    def _ring(self, wire: Wire, group: Group, bounds: Sequence[int], reduce: bool, describe: str,
               gather: bool = True) -> Request:
         """Queue a ring operation on ``wire`` over ``group`` (point-to-point on the group's own
         communicator, one tag per ring: every member starts them in one order)."""

@@ -38,7 +38,7 @@ def table(report: dict) -> str:
                      "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}",
                      f"{r['bubble']:.1%} ({r.get('unequal_busy', 0.0):.1%})"])
     lines += ["", *_grid(rows)]
-    lines += ["", f"simulator (gems.pipeline.simulate) with per-stage times measured from the timelines; network by "
+    lines += ["", f"simulator (gems.schedule.simulate) with per-stage times measured from the timelines; network by "
                   f"ping-pong: latency {net['latency'] * 1e6:.0f} us, bandwidth {net['bandwidth'] / 1e9:.2f} GB/s; "
                   + ("" if net.get("collective_bandwidth") is None else
                      f"collectives move {net['collective_bandwidth'] / 1e9:.2f} GB/s; ")

@@ -1,4 +1,4 @@
-"""The network a gems-bench run predicts with (``gems.pipeline.simulate.Network``), measured
+"""The network a gems-bench run predicts with (``gems.schedule.simulate.Network``), measured
 between ranks 0 and 1 through the communicator the engine uses."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from gems.pipeline import simulate
+from gems.schedule import simulate
 
 
 def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:

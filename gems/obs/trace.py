@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gems.pipeline import schedule as sch
 from gems.errors import GemsError
+from gems.schedule import generators as sch
 
 BUSY = sch.COMPUTE + (sch.STEP, sch.ZERO)   # what counts as a rank doing useful work
 # What a slice's colour says; recv_* slices are the time spent waiting for a message.

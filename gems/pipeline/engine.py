@@ -32,14 +32,12 @@ from torch import nn
 from gems import comm as comm_lib
 from gems.errors import GemsError
 from gems.graph import GraphUnits, check_tied, graph_units
-from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
 from gems.pipeline.executor import Executor
 from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.loss import LossScores, as_sum_loss, reciprocal
-from gems.pipeline.ir import describe_action
 from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
 from gems.pipeline.p2p import PREFETCH, Messenger
@@ -47,7 +45,9 @@ from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
 from gems.pipeline.tiled import NoMessages, member_actions, sync_parts, tile_groups, tiled_stage
-from gems.pipeline.topology import Topology
+from gems.schedule import generators as sch
+from gems.schedule.ir import describe_action
+from gems.schedule.topology import Topology
 
 
 class Engine:

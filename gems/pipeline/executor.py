@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from gems.pipeline import ir
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.gradsync import GradSync
 from gems.pipeline.loss import SumLoss, scaled
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
-from gems.pipeline.schedule import prefetch_points
 from gems.pipeline.splitgrad import Pending, input_half, weight_half
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.timing import ActionTimer
+from gems.schedule import ir
+from gems.schedule.generators import prefetch_points
 
 Key = tuple[int, int, int]   # (replica, micro-batch, stage)
 

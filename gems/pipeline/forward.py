@@ -17,14 +17,14 @@ from typing import Callable
 
 import torch
 
-from gems.pipeline import ir
-from gems.pipeline import schedule as sch
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner, unpack
 from gems.pipeline.tiled import NoMessages, member_actions
-from gems.pipeline.topology import Topology
+from gems.schedule import ir
+from gems.schedule import generators as sch
+from gems.schedule.topology import Topology
 
 # sink(replica, micro, rows of the group's shard, output of the last stage)
 Sink = Callable[[int, int, slice, torch.Tensor], None]

@@ -8,7 +8,7 @@ backward of the rank's other stage; ``sync`` waits for them. A segment holds the
 gradients -- ``param.grad`` are views of it, so backward accumulates straight into it -- then a
 copy of its floating buffers (BatchNorm running statistics), which the same call averages, so
 all copies of a stage stay identical. Every member starts its reduces in the schedule's one
-order (``gems.pipeline.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
+order (``gems.schedule.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
 in the same order: NCCL kernels of two communicators (a sync group's and the point-to-point one)
 may wait on each other if started in different orders, so they do not overlap there. BatchNorm
 statistics that the mode keeps identical itself stay out of it: under ``batch_norm="deferred"``
@@ -37,7 +37,7 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
-from gems.pipeline.topology import Topology
+from gems.schedule.topology import Topology
 
 
 class GradSync:

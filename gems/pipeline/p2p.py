@@ -8,7 +8,7 @@ deadlocking or swapping two messages; MPI matches by tag anyway and loses nothin
 Within that order, receives are posted ahead of need: the next ``prefetch`` receives of the
 action list are posted as soon as nothing unposted precedes them toward their peer, so a peer's
 send usually finds its receive waiting; every other receive is posted when the order requires it
-(before a later send to its peer) or when it is waited for (``gems.pipeline.posting`` keeps that
+(before a later send to its peer) or when it is waited for (``gems.schedule.posting`` keeps that
 bookkeeping, which the planner replays). Sends are non-blocking, progressed
 while the rank computes, and completed before the gradient sync. Every message's identity, tag
 and buffer follow from the schedule IR (``Action.message``) and the plan's routes (``gems.pipeline
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from gems.pipeline import ir
-from gems.pipeline.posting import PREFETCH, Posting  # noqa: F401 - PREFETCH: the engine's default
 from gems.pipeline.routes import Routes
-from gems.pipeline.topology import Topology
+from gems.schedule import ir
+from gems.schedule.posting import PREFETCH, Posting  # noqa: F401 - PREFETCH: the engine's default
+from gems.schedule.topology import Topology
 
 
 class Messenger:

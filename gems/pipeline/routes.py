@@ -4,7 +4,7 @@
 from. ``Routes`` turns that into edges ``producer -> consumer``: one per pair of neighbouring
 stages (possibly empty, so the chain of dependencies the schedules are built on stays whole) and
 one per pair of stages a skip connection joins (``skips``: extra messages in the schedule, see
-``gems.pipeline.schedule.schedule``). A plan without routes (a plain ``nn.Sequential``, or made
+``gems.schedule.generators.schedule``). A plan without routes (a plain ``nn.Sequential``, or made
 before routes existed) relays: every stage takes its neighbour's whole output.
 
 Each edge carries, per micro-batch, one packed message forward (``act``: the tensors it names,

@@ -11,7 +11,7 @@ Which forwards a policy applies to
 ----------------------------------
 Take one position's compute actions in order (forward and backward; messages, sync and
 step do not count). A forward is *immediate* when the next one is its own backward (same
-replica, micro-batch and stage), and *waiting* otherwise (``gems.pipeline.schedule.waiting_forwards``).
+replica, micro-batch and stage), and *waiting* otherwise (``gems.schedule.generators.waiting_forwards``).
 ``mast`` K=2 m=1, position 0: ``F d0.s0  F u0.s1  B u0.s1  B d0.s0`` -- d0.s0 waits, u0.s1
 is immediate. ``1f1b`` K=2 m=2: position 0 ``F d0.s0  F d1.s0  B d0.s0  B d1.s0`` -- both
 wait (as every forward does under ``gpipe``, whose backwards run first in, first out);
@@ -140,7 +140,7 @@ class StageRunner:
 
     def forward(self, inputs: tuple[torch.Tensor, ...], key: Key, waiting: bool) -> tuple[torch.Tensor, ...]:
         """The stage's output for one micro-batch; ``waiting``: whether its backward is not
-        the next compute action (``gems.pipeline.schedule.waiting_forwards``)."""
+        the next compute action (``gems.schedule.generators.waiting_forwards``)."""
         offload = self.offload is not None and waiting
         with self.offload.saving(key, inputs) if offload else contextlib.nullcontext():
             xs = inputs

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gems.pipeline import ir
-from gems.pipeline.topology import Topology
+from gems.schedule import ir
+from gems.schedule.topology import Topology
 from gems.spatial import TiledUnit, TileGroup, tile_stage
 
 

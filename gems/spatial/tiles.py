@@ -21,7 +21,7 @@ import torch
 from gems.comm import P2POp
 from gems.spatial.geometry import Range, parts
 
-TILE_TAG = 1_000_000   # above every pipeline message tag (gems.pipeline.ir.Message.tag), under MPICH's bound
+TILE_TAG = 1_000_000   # above every pipeline message tag (gems.schedule.ir.Message.tag), under MPICH's bound
 # Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
 # the communicator's back-off sleeps begin (gems.comm.base.Backoff.spin).
 SPIN_SECONDS = 2e-3

@@ -17,8 +17,8 @@ from torch import nn
 from gems import partition
 from gems.errors import GemsError
 from gems.graph import graph_units
-from gems.pipeline import schedule as sch, search
-from gems.pipeline.topology import ranks_per_group
+from gems.schedule import generators as sch, search
+from gems.schedule.topology import ranks_per_group
 from gems.train.config import TrainConfig
 from gems.units import format_size, parse_size
 
@@ -52,7 +52,7 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
         if plan.unit_names != names:
             raise GemsError(f"{cfg.plan} was made for a model of {_names(plan.unit_names)}, but "
                             f"{cfg.model} has {_names(names)}: make the plan for this model")
-        try:   # the order the engine will build (gems.pipeline.search)
+        try:   # the order the engine will build (gems.schedule.search)
             search.order(plan.schedule, plan.stages, plan.micro_batches, plan.split_backward, plan.order)
         except GemsError as error:
             raise GemsError(f"{cfg.plan}: {error}") from None

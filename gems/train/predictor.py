@@ -28,8 +28,8 @@ from torch import nn
 
 from gems import models, partition
 from gems.errors import GemsError
-from gems.pipeline import schedule as sch
-from gems.pipeline.topology import Topology
+from gems.schedule import generators as sch
+from gems.schedule.topology import Topology
 from gems.train import checkpoint, images, outputs, regions, windows
 from gems.train.config import model_kwargs, opt, tile_count
 from gems.train.data import PredictImages

@@ -17,20 +17,20 @@ import torch
 from torch import nn
 
 from gems import models, partition
+from gems.errors import GemsError
 from gems.obs import memory
+from gems.obs.trace import Recorder
+from gems.schedule import generators as sch
+from gems.schedule.topology import Topology
 from gems.train import checkpoint, workers
-from gems.pipeline import schedule as sch
 from gems.train.board import Board
 from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData
 from gems.train.losses import make_loss
 from gems.train.optim import learning_rate, make_optimizer
 from gems.train.planning import auto_tiles, check_task, make_plan
-from gems.train.validation import Validation
-from gems.errors import GemsError
 from gems.train.progress import Progress
-from gems.pipeline.topology import Topology
-from gems.obs.trace import Recorder
+from gems.train.validation import Validation
 from gems.units import format_size
 
 if TYPE_CHECKING:

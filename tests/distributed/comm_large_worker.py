@@ -16,7 +16,7 @@ import torch
 
 import gems.comm
 from gems.comm import P2POp
-from gems.comm.mpi_backend import StagingPool, large_count
+from gems.comm.staging import StagingPool, large_count
 from gems.comm.torch_backend import check_header
 from gems.errors import GemsError
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: run as 
 
 import gems  # noqa: E402
 from gems import comm as comm_lib  # noqa: E402
-from gems.pipeline.schedule import SCHEDULES  # noqa: E402
+from gems.schedule.generators import SCHEDULES  # noqa: E402
 
 from equivalence import POLICIES, SIDE, build, data, make_plan, optimizer, run  # noqa: E402
 

@@ -8,7 +8,7 @@ it to price the receive buffers alive at each moment (``gems.partition.forward``
 """
 from __future__ import annotations
 
-from gems.pipeline import ir
+from gems.schedule import ir
 
 # Receives posted ahead of need by default (``gems.Engine(prefetch=...)``); the planner prices this many.
 PREFETCH = 2

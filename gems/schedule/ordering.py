@@ -16,7 +16,7 @@ its weight-gradient: what the input-gradient pass keeps for it lives until then)
 memory: per (replica, stage) (``cap``, 1F1B's ``K - s`` by default) and per position (``limit``).
 
 A rule is a sort key over ready tasks; ``RULES`` holds the ones the schedule search compares
-(``gems.pipeline.search``). Because every position then runs its list in a fixed order and only
+(``gems.schedule.search``). Because every position then runs its list in a fixed order and only
 waits on messages, an order that completes in this timing completes in every timing; the
 validator re-checks each candidate.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gems.pipeline.ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from gems.schedule.ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 Task = tuple[str, int, int, int]   # (op, replica, micro, stage)
 TICKS = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}

@@ -14,14 +14,14 @@ stage share position 0. Each position's compute order follows the published cons
                warm-up and the drain. Needs at least 2K micro-batches.
 
 Only orders are taken from these schedules; they run in the simulator, not in the engine
-(gems trains with its own ``gems.pipeline.schedule``). Written in gems's IR so that one simulator
+(gems trains with its own ``gems.schedule.generators``). Written in gems's IR so that one simulator
 times every schedule the same way.
 """
 from __future__ import annotations
 
 from gems.errors import GemsError
-from gems.pipeline.ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
-from gems.pipeline.lowering import lower
+from gems.schedule.ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from gems.schedule.lowering import lower
 
 PEERS = ("zbv", "dualpipev")
 Task = tuple[str, int, int, int]

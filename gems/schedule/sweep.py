@@ -1,13 +1,13 @@
 """Simulated sweeps over configurations: weak scaling over data-parallel groups, and every
 (schedule, K, m, D) of a world ranked by throughput (``gems-plan --sweep``). Pure Python; each
-point is one ``gems.pipeline.simulate.simulate``."""
+point is one ``gems.schedule.simulate.simulate``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from gems.pipeline import schedule as sch
-from gems.pipeline.simulate import Costs, Network, simulate
+from gems.schedule import generators as sch
+from gems.schedule.simulate import Costs, Network, simulate
 
 
 class ScalingPoint(NamedTuple):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gems.pipeline.ir import (BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_ACT, RECV_GRAD, REDUCE, SEND_ACT, SEND_GRAD,
+from gems.schedule.ir import (BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_ACT, RECV_GRAD, REDUCE, SEND_ACT, SEND_GRAD,
                               STEP, SYNC, Action)
 
 Task = tuple[str, int, int, int]   # (op, replica, micro, stage)

@@ -19,25 +19,25 @@ K = 2, m = 1, ``mast`` (forward 1 tick, backward 2)::
     position 0 | F d.s0 | F u.s1 | B u.s1  B u.s1 | B d.s0  B d.s0 |
     position 1 | F u.s0 | F d.s1 | B d.s1  B d.s1 | B u.s0  B u.s0 |
 
-Orders are produced by one greedy list scheduler (``gems.pipeline.ordering``: forward 1 tick,
+Orders are produced by one greedy list scheduler (``gems.schedule.ordering``: forward 1 tick,
 backward 2 ticks, messages free): at every tick an idle position starts the ready task its rule
-ranks first; for ``mast`` the schedule search (``gems.pipeline.search``) compares several rules
+ranks first; for ``mast`` the schedule search (``gems.schedule.search``) compares several rules
 and in-flight caps and keeps the shortest step within the memory bound. With ``split=True`` each
 backward becomes an input-gradient and a weight-gradient action, and the weight-gradients fill
 bubbles (as zero-bubble pipelines do). Because a position executes its list in a fixed order and
 only waits on messages, an order that completes in one timing completes in every timing;
-``gems.pipeline.validate`` re-checks that by simulation.
+``gems.schedule.validate`` re-checks that by simulation.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from gems.errors import GemsError
-from gems.pipeline import search
-from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, GRADIENT,  # noqa: F401
+from gems.schedule import search
+from gems.schedule.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, GRADIENT,  # noqa: F401
                               LETTERS, RECV_ACT, RECV_GRAD, REDUCE, REPLICA_NAMES, SEND_ACT, SEND_GRAD, SENDS, RECVS,
                               SHARE, STEP, SYNC, ZERO, Action)
-from gems.pipeline.lowering import lower, place_reduces
+from gems.schedule.lowering import lower, place_reduces
 
 SCHEDULES = ("mp", "gpipe", "1f1b", "mast")
 
@@ -80,10 +80,10 @@ def schedule(name: str, K: int, m: int = 1, skips: Sequence[tuple[int, int]] = (
     gradient goes back after j's backward and is received before i's. Each such message waits
     only on computations its neighbour messages already wait on, so skips add no deadlock.
     ``split``: each backward becomes an input-gradient and a later weight-gradient action
-    (``gems.pipeline.ordering``), which the order places into bubbles. Each stage's gradients
+    (``gems.schedule.ordering``), which the order places into bubbles. Each stage's gradients
     start their reduce as soon as its last backward is done (``lowering.place_reduces``).
     ``order``: the search's variant to build (a plan's ``order``, chosen on its stage costs);
-    empty: the search's choice on equal stage costs (``gems.pipeline.search.order``)."""
+    empty: the search's choice on equal stage costs (``gems.schedule.search.order``)."""
     check(name, K, m)
     if any(not 0 <= i < j - 1 < K - 1 for i, j in skips):
         raise ValueError(f"skip edges must join stages i < j - 1 of {K}: {sorted(skips)}")

@@ -1,6 +1,6 @@
 """Schedule simulator: replay the engine's own action lists with costs to predict a step.
 
-Every position executes ``gems.pipeline.schedule.schedule(name, K, m)[position]`` in order -- the
+Every position executes ``gems.schedule.generators.schedule(name, K, m)[position]`` in order -- the
 lists the engine runs, so there is one source of truth for every schedule:
 
     forward / backward   take the stage's cost for one micro-batch (split: the input-gradient
@@ -31,7 +31,7 @@ Groups are identical, so only groups whose point-to-point links differ (a pipeli
 across nodes differently) are replayed; they meet in the sync. Pure Python: no torch, no MPI.
 
 ``benchmarks/resnet1001_scaling.py`` uses it for a weak-scaling prediction of ResNet-1001;
-``utilization`` times any action lists (other systems' schedules too, ``gems.pipeline.peers``)
+``utilization`` times any action lists (other systems' schedules too, ``gems.schedule.peers``)
 with unit costs for ``gems-sim utilization``.
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from gems.pipeline import schedule as sch
 from gems.errors import GemsError
-from gems.pipeline.topology import Topology
+from gems.schedule import generators as sch
+from gems.schedule.topology import Topology
 
 # The default device when nothing was measured (gems-plan --calibrate measures this one instead).
 V100_FLOPS = 15.7e12   # fp32 peak of a V100 SXM2
@@ -249,7 +249,7 @@ def _replay(lists: list[list[sch.Action]], groups: Sequence[int], seconds: Calla
     busy = dict.fromkeys(pc, 0.0)
     timeline: dict[tuple[int, int], list[tuple[float, float, str]]] = {key: [] for key in pc}
     progress = True
-    while progress:   # lists are deadlock-free (gems.pipeline.validate), so every pass advances someone
+    while progress:   # lists are deadlock-free (gems.schedule.validate), so every pass advances someone
         progress = False
         for d, p in pc:
             actions, i, t, line = lists[p], pc[(d, p)], clock[(d, p)], timeline[(d, p)]

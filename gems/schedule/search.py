@@ -2,7 +2,7 @@
 
 ``mp``, ``gpipe`` and ``1f1b`` have one order each (their rule and in-flight cap). For ``mast``
 the two mirrored replicas can interleave in many ways; ``order`` list-schedules every candidate
-(``gems.pipeline.ordering``: each rule in ``RULES`` x a per-stage cap of 1F1B's ``K - s`` plus 0,
+(``gems.schedule.ordering``: each rule in ``RULES`` x a per-stage cap of 1F1B's ``K - s`` plus 0,
 1 or 2 x a per-position limit or none), keeps those whose peak stays within 1F1B's at the
 same micro-batches in flight plus one micro-batch (``min(2m, K) + 1`` micro-batches of one stage
 on a position), and takes the shortest step (forward 1, backward 2 or input-gradient 1 +
@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from gems.errors import GemsError
-from gems.pipeline.ordering import RULES, Layout, Order, greedy, peak_in_flight
+from gems.schedule.ordering import RULES, Layout, Order, greedy, peak_in_flight
 
 EXTRA_CAPS = (0, 1, 2)   # added to 1F1B's K - s
 MAX_WEIGHT = 16           # the largest stage weight a variant may give

@@ -8,9 +8,9 @@ sends and blocking receives (an MPI-like transport).
 """
 from __future__ import annotations
 
-from gems.pipeline.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS,
+from gems.schedule.generators import position_of, replicas
+from gems.schedule.ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, RECV_GRAD, RECVS,
                               REDUCE, SENDS, STEP, SYNC, Action, replay)
-from gems.pipeline.schedule import position_of, replicas
 
 
 def validate(name: str, K: int, m: int, lists: list[list[Action]]) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gems.pipeline import schedule as sch
 from gems.errors import GemsError
+from gems.schedule import generators as sch
 
 
 def tiled_positions(stages: int, schedule: str, tiles: int, suffix: bool = False) -> list[int]:

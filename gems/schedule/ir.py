@@ -4,9 +4,9 @@ A schedule lowers to one ordered list of :class:`Action` per position of a group
 else reads these lists and nothing else:
 
 - the executor (``gems.pipeline.executor``) runs them, one action after another;
-- the simulator (``gems.pipeline.simulate``) replays them with modelled durations;
+- the simulator (``gems.schedule.simulate``) replays them with modelled durations;
 - messaging (``gems.pipeline.p2p``) posts exactly the transfers they name, in their order;
-- the validator (``gems.pipeline.validate``) proves them complete and deadlock-free.
+- the validator (``gems.schedule.validate``) proves them complete and deadlock-free.
 
 Action kinds
 ------------
@@ -22,7 +22,7 @@ Action kinds
 ``recv_grad``  receive the gradient of ``stage``'s output from the position running ``stage + 1`` (or ``other``)
 ``reduce``     start summing ``stage``'s gradients over the sync group (non-blocking), once the
                stage's last backward on this position is done; the sync group's members start
-               their reduces in one order (``gems.pipeline.lowering.place_reduces``)
+               their reduces in one order (``gems.schedule.lowering.place_reduces``)
 ``sync``       wait for the reduces; sum the loss over the world
 ``step``       the optimizer step
 =============  =======================================================================
@@ -99,7 +99,7 @@ class Message(NamedTuple):
         """The wire tag: distinct for every message between one ordered pair of positions in a
         step. A replica places each stage on one position, so a pair of positions carries one
         edge per replica, and at most one act and one grad per replica and micro-batch
-        (``gems.pipeline.validate`` checks it for every schedule)."""
+        (``gems.schedule.validate`` checks it for every schedule)."""
         return (self.micro * 2 + self.replica) * 2 + MESSAGE_KINDS.index(self.kind)
 
     def __str__(self) -> str:
