@@ -103,10 +103,15 @@ def test_srun_starts_mpi_ranks_with_pmi2() -> None:
 
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 @pytest.mark.parametrize("script", ["single-node.sbatch", "multi-node-resnet.sbatch",
-                                    "multi-node-amoebanet.sbatch"])
+                                    "multi-node-amoebanet.sbatch", "torch-launch.sbatch"])
 def test_job_script_trains(script: str, tmp_path: Path) -> None:
     # resnet18 in place of each script's model: what is under test is the script's launch.
     env, done = _trainer()
+    if script == "torch-launch.sbatch":  # launched without MPI: prove that no rank loads it
+        blocker = tmp_path / "no-mpi" / "mpi4py"
+        blocker.mkdir(parents=True)
+        (blocker / "__init__.py").write_text("raise ImportError('mpi4py is blocked: this job runs without MPI')\n")
+        env["PYTHONPATH"] = str(blocker.parent)
     job = submit(script, tmp_path, {**TINY, **env})
     info = wait(job, tmp_path)
     log = output(tmp_path)
@@ -163,12 +168,15 @@ def test_segmentation_job_trains_validates_and_predicts(tmp_path: Path) -> None:
 
 
 def test_scripts_are_complete() -> None:
-    """Each script parses, asks for GPUs, one task per GPU, and launches through srun --mpi=pmi2."""
+    """Each script parses, asks for GPUs, one task per GPU, and launches through srun: --mpi=pmi2
+    for MPI, or --mpi=none --kill-on-bad-exit=1 with the torch backend."""
+    launch = {"torch-launch.sbatch":
+              'srun --mpi=none --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"'}
     for script in ("single-node.sbatch", "multi-node-resnet.sbatch", "multi-node-amoebanet.sbatch",
-                   "preemptible.sbatch", "segmentation.sbatch"):
+                   "preemptible.sbatch", "segmentation.sbatch", "torch-launch.sbatch"):
         text = (JOBS / script).read_text()
         assert subprocess.run(["bash", "-n", str(JOBS / script)]).returncode == 0, script
         for directive in ("--nodes=", "--ntasks-per-node=", "--gpus-per-node=", "--cpus-per-task=",
                           "--time=", "--output="):
             assert f"#SBATCH {directive}" in text, (script, directive)
-        assert 'srun --mpi=pmi2 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in text, script
+        assert launch.get(script, 'srun --mpi=pmi2 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"') in text, script

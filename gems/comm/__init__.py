@@ -7,7 +7,9 @@
         comm.allreduce(grads, mirror_group, "gradients of stage 1")
 
 Every process is started by ``mpiexec -n N python ...`` (or ``srun``), for both backends: the
-torch backend builds its process group from the MPI rank and size.
+torch backend builds its process group from the MPI rank and size. The torch backend also starts
+where no MPI library exists, under ``torchrun`` or a Slurm step without MPI (``gems.comm.launcher``
+reads who the rank is from their variables; mpi4py is then never imported).
 
 Waiting never blocks inside MPI or torch: ``Comm.wait`` tests the request, sleeps 50 us, tests,
 sleeps 100 us, ... up to 2 ms, because MPI's blocking waits spin a core that an oversubscribed
@@ -24,11 +26,13 @@ message's tensors, and ``ibatch``'s operations, as one ``batch_isend_irecv`` gro
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import torch
 
+from gems.comm import launcher
 from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request, all_of
 from gems.errors import GemsError
 
@@ -56,6 +60,7 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
         raise GemsError(f"the communication timeout must be a positive number of seconds, got {timeout}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend == "mpi":
+        launcher.mpi()   # where no MPI library loads, the sentence that says what to do
         from gems.comm.mpi_backend import MPIComm
 
         return MPIComm(device, float(timeout), backoff, allow_shared_gpu)
@@ -65,11 +70,14 @@ def create(backend: str = "mpi", device: torch.device | str | None = None, timeo
 
 
 def world_rank() -> int:
-    """This process's rank in MPI_COMM_WORLD, e.g. to report an error that ``create`` raised on
-    every rank once (starts MPI if nothing has yet)."""
-    from mpi4py import MPI  # noqa: PLC0415 - MPI starts only when asked
-
-    return MPI.COMM_WORLD.rank
+    """This process's rank in the job as its launcher numbers it (MPI's, torchrun's or Slurm's
+    variable; 0 without a launcher), e.g. to report an error that ``create`` raised on every rank
+    once. Reads the environment only: it works where the communicator could not start."""
+    names = (*launcher.MPI_VARIABLES, "RANK") + (("SLURM_PROCID",) if "SLURM_STEP_ID" in os.environ else ())
+    for name in names:
+        with contextlib.suppress(KeyError, ValueError):
+            return int(os.environ[name])
+    return 0
 
 
 def _cores() -> set[int]:

@@ -1,9 +1,12 @@
 """Which device a rank uses: its node's ranks compare the GPUs they see (``placement``, collective
-over MPI), and ``local_device`` (pure) decides."""
+over MPI, or ``placement_by_store`` through a torch.distributed store where no MPI launched the
+job), and ``local_device`` (pure) decides."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Sequence
+import socket
+from typing import Any, Sequence
 
 import torch
 
@@ -62,17 +65,47 @@ def placement(world, device: torch.device,
     from mpi4py import MPI  # noqa: PLC0415 - base stays importable without an MPI library
 
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    seen = (torch.cuda.device_count() if device.type == "cuda" else 0,
-            {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS") if k in os.environ})
-    node, local_rank, local_size = local.allgather(seen), local.rank, local.size
+    node, local_rank, local_size = local.allgather(_seen(device)), local.rank, local.size
     local.Free()
+    device, problem = _decide(device, local_rank, node, allow_shared_gpu, MPI.Get_processor_name())
+    return world.rank, world.size, local_rank, local_size, _placed(device, world.allgather(problem))
+
+
+def placement_by_store(store: Any, rank: int, size: int, device: torch.device,
+                       allow_shared_gpu: bool = False) -> tuple[int, int, int, int, torch.device]:
+    """``placement`` where no MPI launched the job: the ranks exchange what they see through the
+    torch.distributed ``store`` all of them reach (keys under ``gems/placement/``); the ranks of a
+    node are those of one host name, in rank order. COLLECTIVE, like ``placement``."""
+    host = socket.gethostname()
+    store.set(f"gems/placement/seen/{rank}", json.dumps([host, _seen(device)]))
+    everyone = [json.loads(store.get(f"gems/placement/seen/{r}")) for r in range(size)]
+    local = [r for r, (name, _) in enumerate(everyone) if name == host]
+    node = [tuple(everyone[r][1]) for r in local]
+    device, problem = _decide(device, local.index(rank), node, allow_shared_gpu, host)
+    store.set(f"gems/placement/problem/{rank}", json.dumps(problem))
+    problems = [json.loads(store.get(f"gems/placement/problem/{r}")) for r in range(size)]
+    return rank, size, local.index(rank), len(local), _placed(device, problems)
+
+
+def _seen(device: torch.device) -> tuple[int, dict[str, str]]:
+    """What this rank sees: its GPU count and GPU environment (``local_device``'s ``node`` entry)."""
+    return (torch.cuda.device_count() if device.type == "cuda" else 0,
+            {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS") if k in os.environ})
+
+
+def _decide(device: torch.device, local_rank: int, node: Sequence[tuple[int, dict[str, str]]],
+            allow_shared_gpu: bool, host: str) -> tuple[torch.device, str | None]:
     try:
-        device, problem = local_device(device, local_rank, node, allow_shared_gpu, MPI.Get_processor_name()), None
+        return local_device(device, local_rank, node, allow_shared_gpu, host), None
     except GemsError as error:
-        problem = str(error)
-    problems = [p for p in world.allgather(problem) if p is not None]
-    if problems:
-        raise GemsError(problems[0])
+        return device, str(error)
+
+
+def _placed(device: torch.device, problems: Sequence[str | None]) -> torch.device:
+    """The device, made current; the first rank's problem raised alike on every rank if any had one."""
+    found = [p for p in problems if p is not None]
+    if found:
+        raise GemsError(found[0])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return world.rank, world.size, local_rank, local_size, device
+    return device

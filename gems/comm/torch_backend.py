@@ -1,8 +1,13 @@
 """The torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors.
 
-The job is still launched by ``mpiexec``/``srun``: mpi4py supplies rank, size and the node-local
-ranks, and rank 0 opens the rendezvous store on a free port (port 0: the OS picks one, so no
-fixed port can collide) on its host (or MASTER_ADDR if set), whose port it broadcasts with MPI.
+Who this rank is comes from its launcher (``gems.comm.launcher``). Under ``mpiexec`` (or ``srun
+--mpi=pmi2``) mpi4py supplies rank, size and the node-local ranks, and rank 0 opens the
+rendezvous store on a free port (port 0: the OS picks one, so no fixed port can collide) on its
+host (or MASTER_ADDR if set), whose port it broadcasts with MPI. Under torchrun, or a Slurm step
+launched without MPI, MPI is never imported: the store is torch's ``env://`` rendezvous (joining
+the one torchrun's agent hosts) or one opened by rank 0 on the step's first host, the ranks of a
+node find each other through it, and a failing rank ends the job by exiting (the launcher, told
+``--kill-on-bad-exit`` under srun, ends the others).
 
 Completion is polled like in the MPI backend, with one twist: gloo marks a point-to-point work
 complete only inside ``wait()``, so each gloo send/recv request gets a small thread that blocks in
@@ -27,13 +32,13 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 from torch import Tensor
 
-from gems.comm.abort import mpi_abort
+from gems.comm import launcher
+from gems.comm.abort import exit_abort, mpi_abort
 from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, Group, P2POp, Request, byte_ranges,
                              check_group_ranks, max_message_bytes, message_tag)
-from gems.comm.placement import placement
+from gems.comm.placement import placement, placement_by_store
 from gems.errors import GemsError
 
 TAG_UB = 2**31 - 1  # tags are C ints in the gloo bindings
@@ -110,7 +115,7 @@ def check_header(header: list[int], tag: int, expected: list[int], src: int, ran
 
 
 def _rendezvous(world: Any, timeout: float) -> dist.TCPStore:
-    """The TCP store every rank connects to, opened by rank 0 on a port the OS chooses."""
+    """Under MPI: the TCP store every rank connects to, opened by rank 0 on a port the OS chooses."""
     if world.rank == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
         store = dist.TCPStore(host, 0, world.size, True, timedelta(seconds=timeout),
@@ -124,8 +129,24 @@ def _rendezvous(world: Any, timeout: float) -> dist.TCPStore:
     return store
 
 
+def _launcher_store(me: launcher.Identity, timeout: float) -> dist.Store:
+    """Without MPI: the store of torchrun's ``env://`` rendezvous, or one rank 0 of a Slurm step
+    opens at the address and port the step's variables give."""
+    wait = timedelta(seconds=timeout)
+    try:
+        if me.launcher == "torchrun":
+            store, _, _ = next(dist.rendezvous("env://", me.rank, me.size, timeout=wait))
+            return store
+        return dist.TCPStore(me.master_addr, me.master_port, me.size, me.rank == 0, wait,
+                             wait_for_workers=False)
+    except (RuntimeError, ValueError, OSError) as error:
+        raise GemsError(f"rank {me.rank} cannot reach the rendezvous at {me.master_addr}:{me.master_port} "
+                        f"({' '.join(str(error).split())[:200]}): check MASTER_ADDR and MASTER_PORT") from None
+
+
 class TorchComm(Comm):
-    """Communicator on torch.distributed's default process group, initialised from MPI.
+    """Communicator on torch.distributed's default process group, its ranks named by MPI or by the
+    launcher's environment (torchrun, a Slurm step).
 
     ``message_limit``: the byte size above which a tensor travels in pieces."""
 
@@ -136,8 +157,16 @@ class TorchComm(Comm):
         if dist.is_initialized():
             raise GemsError("torch.distributed is already initialised; create one 'torch' "
                             "communicator per process")
-        world = MPI.COMM_WORLD
-        super().__init__(*placement(world, device, allow_shared_gpu), timeout, backoff)
+        me = launcher.identity()
+        self._mpi = me is None
+        if me is None:
+            world = launcher.mpi().COMM_WORLD
+            super().__init__(*placement(world, device, allow_shared_gpu), timeout, backoff)
+            store = _rendezvous(world, timeout)
+        else:
+            store = _launcher_store(me, timeout)
+            super().__init__(*placement_by_store(store, me.rank, me.size, device, allow_shared_gpu), timeout,
+                             backoff)
         # NCCL kernels of the sync groups' communicators and the point-to-point one may wait on
         # each other when ranks start them in different orders: no reduce overlaps a step there
         self.overlaps_collectives = self.device.type != "cuda"
@@ -151,7 +180,7 @@ class TorchComm(Comm):
         self._side: Any = None   # the CUDA stream on which received headers are read
         # device_id forms the NCCL communicator now: batch_isend_irecv may then involve only some
         # ranks (a pipeline's first transfer is between two), which as the first NCCL call it may not.
-        dist.init_process_group(backend, store=_rendezvous(world, timeout), rank=self.rank,
+        dist.init_process_group(backend, store=store, rank=self.rank,
                                 world_size=self.size, timeout=timedelta(seconds=timeout),
                                 device_id=self.device if self.device.type == "cuda" else None)
         atexit.register(self._close)
@@ -284,5 +313,7 @@ class TorchComm(Comm):
 
     def abort(self, code: int = 1) -> NoReturn:
         # No destroy_process_group(): it may block on the very peer that failed. MPI_Abort has the
-        # launcher end every rank.
-        mpi_abort(code)
+        # launcher end every rank; without MPI the launcher does so when this rank exits.
+        if self._mpi:
+            mpi_abort(code)
+        exit_abort(code)
