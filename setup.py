@@ -27,7 +27,9 @@ setup(
     python_requires=">=3.10",
     packages=packages(),
     package_dir=SOURCES,
-    install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm", "tifffile"],
+    # TOML config files: the standard library reads them from Python 3.11, tomli before
+    install_requires=["torch>=2.4", "torchvision>=0.19", "mpi4py>=3.1", "numpy", "tqdm", "tifffile",
+                      "tomli>=1.1; python_version < '3.11'"],
     extras_require={
         # An MPI that pip can install, for laptops and CI. On a cluster, leave it out and
         # build mpi4py against the site's MPI instead (see README).

@@ -16,6 +16,7 @@ import typing
 from collections.abc import Callable
 
 from gems.errors import USER_ERROR, GemsError, one_line
+from gems.train import configfile
 
 
 
@@ -32,13 +33,45 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
+class _ConfigParser(_Parser):
+    """A dataclass parser that also reads ``--config FILE`` (TOML, ``gems.train.configfile``): the
+    file's values become the defaults, so flags on the command line override them; and answers
+    ``--print-config`` with the resolved configuration as TOML (exit 0). Neither reaches the
+    namespace: it holds the dataclass's fields alone."""
+
+    config: type
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        early.add_argument("--config")
+        found, _ = early.parse_known_args(args)
+        if found.config is not None:
+            try:
+                self.set_defaults(**configfile.read(found.config, self.config))
+            except GemsError as error:
+                self.exit(USER_ERROR, f"{self.prog}: error: {one_line(error)}\n")
+        namespace, extra = super().parse_known_args(args, namespace)
+        del namespace.config
+        if namespace.__dict__.pop("print_config"):
+            print(configfile.dumps(self.config(**vars(namespace))), end="")
+            self.exit(0)
+        return namespace, extra
+
+
 def dataclass_parser(prog: str, description: str, config: type) -> argparse.ArgumentParser:
     """A parser with one flag per field of the ``config`` dataclass (``batch_size`` ->
     ``--batch-size``): type, default, choices and help come from the field (see gems.train.config.opt);
     booleans get ``--x/--no-x``; ``tuple[str, ...]`` fields are repeatable flags; a field with a
     ``const`` takes ``--x [CHOICE]``, the flag alone meaning ``const``, and ``--no-x`` meaning its
-    ``negative`` (``--split-backward [auto|on|off]``, once a boolean: its command lines stay valid)."""
-    p = parser(prog, description)
+    ``negative`` (``--split-backward [auto|on|off]``, once a boolean: its command lines stay valid).
+    ``--config FILE`` and ``--print-config`` come with it (``_ConfigParser``)."""
+    p = _ConfigParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.config = config
+    p.add_argument("--config", metavar="FILE", help="a TOML file of options, keys named as the options with "
+                   "underscores (batch_size = 4); flags on the command line override it")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML (options "
+                   "left unset omitted) and exit")
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
         flag = "--" + f.name.replace("_", "-")

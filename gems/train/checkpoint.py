@@ -4,7 +4,9 @@ Layout::
 
     DIR/step-00000120/stage-0.pt ... stage-{K-1}.pt   one shard per stage (model + optimizer)
                      rng-rank-{R}.pt                  every rank's RNG state
-                     manifest.json                    written last: step, plan, shard checksums
+                     manifest.json                    written last: step, plan, shard checksums,
+                                                      the run's configuration and environment
+    DIR/config.toml                                   the latest launch's configuration (--config)
 
 Group 0's position s writes stage s (every copy of a stage is identical after the sync,
 so one writer per stage suffices). Each file is written under a temporary name, flushed
@@ -46,6 +48,7 @@ import torch
 from gems.errors import GemsError
 
 MANIFEST = "manifest.json"
+CONFIG = "config.toml"    # beside the step directories: the latest launch's configuration
 FORMAT = 1
 
 
@@ -187,6 +190,15 @@ def save(engine, directory: str | os.PathLike, step: int, meta: dict, keep: int 
             for old in others[:max(0, len(others) - (keep - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
     settle({}, failure)
+    return path
+
+
+def write_config(directory: str | os.PathLike, text: str) -> Path:
+    """``config.toml`` beside the checkpoints: the launch's resolved configuration (``--config``
+    reads it back), replaced atomically once per launch."""
+    path = Path(directory) / CONFIG
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, lambda f: f.write(text.encode()))
     return path
 
 

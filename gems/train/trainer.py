@@ -22,7 +22,7 @@ from gems.obs import memory
 from gems.obs.trace import Recorder
 from gems.schedule import generators as sch
 from gems.schedule.topology import Topology
-from gems.train import checkpoint, workers
+from gems.train import checkpoint, configfile, environment, workers
 from gems.train.board import Board
 from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData
@@ -214,11 +214,18 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
                 for warning in damaged:
                     print(f"gems-train: warning: {warning}", file=sys.stderr, flush=True)
             meta = checkpoint.read_manifest(resume_from)
+            # every option that differs from the checkpoint's run is named; another K, D or world is fine
+            changed = configfile.differences(meta["config"], configfile.as_dict(cfg), ignore=("resume",)) \
+                if isinstance(meta.get("config"), dict) else []
             if (meta.get("model"), meta.get("num_classes"), meta.get("task", "classification")) != (
                     cfg.model, data.num_classes, cfg.task):
                 raise GemsError(f"{resume_from} holds {meta.get('model')} for {meta.get('task', 'classification')} "
                                 f"with {meta.get('num_classes')} classes, not {cfg.model} for {cfg.task} with "
-                                f"{data.num_classes}: use another --checkpoint-dir or drop --resume")
+                                f"{data.num_classes}" + (f" (changed: {', '.join(changed)})" if changed else "")
+                                + ": use another --checkpoint-dir or drop --resume")
+            if changed and comm.rank == 0:
+                print(f"gems-train: resuming {resume_from} with a changed configuration: {', '.join(changed)}",
+                      flush=True)
             mine = topo.stages_of(comm.rank)   # with a spatial suffix a member holds the last stage too
             units = range(min(plan.cuts[s] for s in mine), max(plan.cuts[s + 1] for s in mine))
             resume_state = checkpoint.load_stages(resume_from, units)
@@ -271,7 +278,14 @@ def run(job: Job) -> int:
             print(f"gems-train: resumed from {job.resume_from} at step {start}", flush=True)
     job.resume_state = None  # loaded into the engine: free it before memory is measured or limited
     total = cfg.steps if cfg.steps is not None else (cfg.epochs or 1) * data.steps_per_epoch
-    meta = checkpoint_meta(cfg, data)
+    # the manifests record the run's whole configuration and what it ran on (gathered once: collective)
+    meta = {**checkpoint_meta(cfg, data), "config": configfile.as_dict(cfg), "environment": environment.record(comm)}
+    if rank0 and cfg.checkpoint_dir:
+        try:
+            checkpoint.write_config(cfg.checkpoint_dir, configfile.dumps(cfg))
+        except OSError as error:   # the manifests hold it too: a note, not a reason to stop
+            print(f"gems-train: warning: config.toml not written in {cfg.checkpoint_dir} ({error})", file=sys.stderr,
+                  flush=True)
     validation = job.validation
     board = Board(cfg.tensorboard, rank0, purge_step=start + 1 if start else None)
     metrics = Progress(cfg, comm, engine, plan, start, total, board)
