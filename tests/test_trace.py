@@ -90,3 +90,46 @@ def test_trace_png_without_matplotlib_is_a_user_error(monkeypatch):
     with pytest.raises(GemsError, match="matplotlib"):
         TrainConfig(trace_png="run.png").validate()
     TrainConfig(trace="run.json").validate()   # the JSON trace needs nothing extra
+
+
+def test_a_plan_png_shows_each_positions_memory_by_kind_the_budget_and_a_simulated_step(tmp_path):
+    """gems-plan --plan-png: one stack of PARTS per position summing to its estimated peak, a line at
+    the budget, one timeline row per position; the PNG reads back."""
+    import matplotlib.image  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from gems.cli import plan as gems_plan  # noqa: PLC0415
+    from gems.obs import plan_picture  # noqa: PLC0415
+    from gems.plan import Plan  # noqa: PLC0415
+
+    png, plan_json = tmp_path / "plan.png", tmp_path / "plan.json"
+    assert gems_plan.main(["--model", "resnet50", "--image-size", "2048", "--batch-size", "2", "--stages", "4",
+                           "--schedule", "mast", "--memory-budget", "16GiB", "--plan-png", str(png),
+                           "--json", str(plan_json)]) == 0
+    assert matplotlib.image.imread(png).shape[:2] > (400, 600)
+    plan = Plan.from_json(plan_json)
+    fig = plan_picture.figure(plan)
+    bars, times = fig.axes[:2]
+    stacks = [c for c in bars.containers]
+    assert [c.get_label() for c in stacks] == list(plan_picture.PARTS)
+    assert all(len(c.patches) == 4 for c in stacks)   # four positions
+    tops = [max(bar.get_y() + bar.get_height() for bar in column) for column in zip(*[c.patches for c in stacks])]
+    assert tops == pytest.approx([p.peak_bytes / 2**30 for p in plan.positions])
+    assert [line.get_ydata()[0] for line in bars.get_lines()] == [16.0]   # the budget, in GiB
+    assert len(times.get_yticklabels()) == 4
+    plt.close(fig)
+
+
+def test_plan_png_without_matplotlib_is_one_sentence_before_any_work(monkeypatch, capsys, tmp_path):
+    from conftest import exit_status  # noqa: PLC0415
+    from gems.cli import plan as gems_plan, train as gems_train  # noqa: PLC0415
+
+    monkeypatch.setattr(trace, "have_matplotlib", lambda: False)
+    argv = ["--model", "resnet18", "--image-size", "64", "--batch-size", "2", "--stages", "2", "--schedule", "mast",
+            "--plan-png", str(tmp_path / "p.png")]
+    for main in (gems_plan.main, gems_train.main):
+        assert exit_status(main, argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith("drawing a plan needs matplotlib: pip install 'gems[plot]' (or matplotlib), or drop "
+                            "--plan-png") and err.count("\n") == 0, err
+    assert not (tmp_path / "p.png").exists()

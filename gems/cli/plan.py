@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every unit on this machine (CUDA if present) at the real size, for --balance-by time; "
                         "without it, time is estimated from FLOPs")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    p.add_argument("--plan-png", metavar="FILE",
+                   help="draw the plan as a PNG: per position, its estimated peak split into parameters, gradients, "
+                        "optimizer state, activations, messages and working memory (with the budget), and one "
+                        "simulated step per position (needs matplotlib: the 'plot' extra)")
     p.add_argument("--simulate", action="store_true",
                    help="predict step time, throughput and bubbles of this plan and of every schedule "
                         "at the same K and m (gems.schedule.simulate)")
@@ -203,6 +207,12 @@ def _plan(args: argparse.Namespace) -> None:
 
     if args.stages is None and not args.sweep:
         raise GemsError("give --stages K (or --sweep RANKS to compare every K)")
+    if args.plan_png:
+        if args.sweep:
+            raise GemsError("--plan-png draws one plan: drop it from --sweep, then plan the recommended layout")
+        from gems.obs.trace import require_matplotlib
+
+        require_matplotlib("--plan-png", "a plan")
     kwargs = model_kwargs(args.model_arg)
     _speeds(args)
     if args.measure_time:
@@ -244,6 +254,11 @@ def _plan(args: argparse.Namespace) -> None:
     print(result.table())
     if args.json:
         print(f"plan written to {args.json}")
+    if args.plan_png:
+        from gems.obs.plan_picture import write_plan_png
+
+        write_plan_png(args.plan_png, result)
+        print(f"plan drawn in {args.plan_png}")
     if args.simulate:
         print(_simulation(model, shape, options, result, args))
 

@@ -152,11 +152,10 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def require_matplotlib() -> None:
+def require_matplotlib(flag: str = "--trace-png", what: str = "a timeline") -> None:
     """GemsError unless matplotlib can be imported (checked before a run, not after it)."""
     if not have_matplotlib():
-        raise GemsError("drawing a timeline needs matplotlib: pip install 'gems[plot]' (or matplotlib), "
-                        "or drop --trace-png")
+        raise GemsError(f"drawing {what} needs matplotlib: pip install 'gems[plot]' (or matplotlib), or drop {flag}")
 
 
 def idle_fraction(ranks: list[RankTimeline]) -> float:
@@ -191,7 +190,18 @@ def write_png(path: str | Path, ranks: list[RankTimeline], heading: str = "") ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    from matplotlib.patches import Patch  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.7 * len(ranks)))
+    draw_timelines(ax, ranks, heading)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def draw_timelines(ax, ranks: list[RankTimeline], heading: str = "") -> None:
+    """The timelines on matplotlib axes ``ax``: one row per rank, slices coloured by ``kind``, the
+    idle share in the title, the colours' legend below (``write_png``, and the plan's picture)."""
+    from matplotlib.patches import Patch  # noqa: PLC0415 - an optional extra
 
     origin = _origin(ranks)
     spans = [(r, (s.started - origin) + a, (s.started - origin) + b, label)
@@ -199,7 +209,6 @@ def write_png(path: str | Path, ranks: list[RankTimeline], heading: str = "") ->
     first = min((a for _, a, _, _ in spans), default=0.0)
     last = max((b for _, _, b, _ in spans), default=1.0)
     width = max(last - first, 1e-9)
-    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.7 * len(ranks)))
     for r, a, b, label in spans:
         y = len(ranks) - 1 - ranks.index(r)
         ax.broken_barh([(a, b - a)], (y - 0.4, 0.8), facecolors=COLOURS.get(kind(label), "#dddddd"),
@@ -214,8 +223,5 @@ def write_png(path: str | Path, ranks: list[RankTimeline], heading: str = "") ->
     idle = idle_fraction(ranks)
     ax.set_title(f"{heading}{'  |  ' if heading else ''}idle {idle:.0%} of rank-time "
                  "(not forward, backward or optimizer)", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.1), ncol=len(COLOURS), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

@@ -164,6 +164,8 @@ class TrainConfig:
     resume: bool = opt(False, "continue from the newest complete checkpoint in --checkpoint-dir")
     trace: str | None = opt(None, "write a Chrome/Perfetto trace (JSON) of every rank's actions in the last 3 steps")
     trace_png: str | None = opt(None, "draw the same timeline as a PNG (needs matplotlib: the 'plot' extra)")
+    plan_png: str | None = opt(None, "draw the plan as a PNG before training: memory per position by kind, with the "
+                               "budget, and one simulated step (needs matplotlib: the 'plot' extra)")
     dry_run: bool = opt(False, "print the plan and the batch split, then exit")
     progress: bool = opt(True, "show a progress bar on rank 0")
 
@@ -213,9 +215,9 @@ class TrainConfig:
         if self.tensorboard:
             from gems.train.board import require_tensorboard  # noqa: PLC0415
             require_tensorboard()
-        if self.trace_png:
+        if self.trace_png or self.plan_png:
             from gems.obs.trace import require_matplotlib  # noqa: PLC0415
-            require_matplotlib()
+            require_matplotlib(*(("--trace-png",) if self.trace_png else ("--plan-png", "a plan")))
 
     def _validate_task(self) -> None:
         if self.val_every < 0 or (self.val_batch_size is not None and self.val_batch_size < 1):

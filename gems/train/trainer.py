@@ -19,6 +19,7 @@ from torch import nn
 from gems import models, partition
 from gems.errors import GemsError
 from gems.obs import memory
+from gems.obs.plan_picture import write_plan_png
 from gems.obs.trace import Recorder
 from gems.schedule import generators as sch
 from gems.schedule.topology import Topology
@@ -201,6 +202,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
             need, position = plan.forward_worst(validation.batch_size)
             print(f"gems-train: validation in batches of {validation.batch_size}, forward-only steps estimated at "
                   f"{format_size(need)} at most (position {position})", flush=True)
+    if cfg.plan_png and comm.rank == 0:
+        write_plan_png(cfg.plan_png, plan)
+        print(f"gems-train: plan drawn in {cfg.plan_png}", flush=True)
     if cfg.dry_run:
         if comm.rank == 0:
             print(plan.table(), flush=True)
