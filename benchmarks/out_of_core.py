@@ -24,6 +24,7 @@ Not part of the installed package, and not a test: timings belong here, not in p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -42,9 +43,16 @@ GEMS_TRAIN = str(Path(sys.executable).parent / "gems-train")
 
 
 def planned(model, side: int, args, recompute: str, offload: str):
-    """The plan gems-train makes for this run (the same call, on fake tensors)."""
-    return plan(model, (3, side, side), args.batch_size, args.stages, args.schedule, args.micro_batches,
-                memory_budget=args.budget, recompute=recompute, offload=offload, device="cpu", model_name=args.model)
+    """The plan gems-train makes for this run (the same call, on fake tensors), made once per side and
+    policies (the search's plans serve the runs' labels)."""
+    return _plan(model, side, recompute, offload, args.batch_size, args.stages, args.schedule, args.micro_batches,
+                 args.budget, args.model)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(model, side, recompute, offload, batch_size, stages, schedule, micro_batches, budget, model_name):
+    return plan(model, (3, side, side), batch_size, stages, schedule, micro_batches, memory_budget=budget,
+                recompute=recompute, offload=offload, device="cpu", model_name=model_name)
 
 
 def fits(model, side: int, args, mode: str) -> bool:

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,7 @@ from torch import nn
 from gems.errors import GemsError
 
 SYNTAX = "'path/to/file.py:factory' or 'package.module:factory'"
+_LOADING = threading.RLock()   # model files are executed one at a time (see _load_file)
 
 
 def is_user_spec(name: str) -> bool:
@@ -72,22 +74,25 @@ def _load_file(path: str) -> ModuleType:
         raise GemsError(f"model file {path} does not exist; pass the path of a .py file that defines the factory.")
     # A stable, unique module name, registered in sys.modules so pickling and dataclasses work.
     name = "gems_user_model_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise GemsError(f"cannot load {path} as Python; pass a .py file.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    # Let the file import its sibling modules, as it would when run as a script.
-    sys.path.insert(0, str(file.parent))
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    finally:
-        sys.path.remove(str(file.parent))
+    # one load at a time: ranks run as threads of one process (the loopback communicator) must not
+    # see another thread's half-executed module in sys.modules
+    with _LOADING:
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, file)
+        if spec is None or spec.loader is None:
+            raise GemsError(f"cannot load {path} as Python; pass a .py file.")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        # Let the file import its sibling modules, as it would when run as a script.
+        sys.path.insert(0, str(file.parent))
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        finally:
+            sys.path.remove(str(file.parent))
     return module
 
 

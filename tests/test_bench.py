@@ -1,20 +1,20 @@
 """gems-bench: per-schedule micro-batch choice, input checks, targets and loss from the model's
 output (labels or per-pixel masks), a 2-rank run on a tiny model that prints every schedule and
-writes well-formed JSON and traces, one with a spatial part (tile groups of 2 ranks, K = 1), and
-an in-process run of a segmentation model and one with --split-backward auto (no timing assertions)."""
+writes well-formed JSON and traces, one with a spatial part (tile groups of 2 ranks, K = 1), the
+two in one launch, and an in-process run of a segmentation model and one with --split-backward
+auto (no timing assertions)."""
 from __future__ import annotations
 
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, run_mpi
+from conftest import DISTRIBUTED, cli_cases, run_mpi
 from gems import bench, models, partition
 from gems.bench import BenchConfig, Task, micro_batches_for, synthetic_batch, task_of
 from gems.comm import loopback
@@ -63,11 +63,23 @@ def command() -> list:
     return [BENCH] if BENCH.exists() else ["-m", "gems.cli.bench"]
 
 
-def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
-    out = tmp_path / "bench.json"
-    result = run_mpi(2, *command(), "--model", TINY, "--image-size", "32", "--batch-size", "2", "--steps", "2",
-                     "--warmup", "1", "--json", out, "--trace-dir", tmp_path / "traces", timeout=120)
-    table = result.stdout
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank launch, two gems-bench runs (tests/distributed/bench_runs.py): every schedule with JSON
+    and traces, then a spatial plan. Per run: (what it printed, its JSON file, its trace directory)."""
+    root = tmp_path_factory.mktemp("bench")
+    common = ["--model", TINY, "--image-size", "32", "--batch-size", "2"]
+    runs = [[*common, "--steps", "2", "--warmup", "1", "--json", root / "all.json", "--trace-dir", root / "traces"],
+            [*common, "--steps", "1", "--warmup", "0", "--schedules", "mp", "--spatial", "2", "--json",
+             root / "spatial.json"]]
+    result = run_mpi(2, DISTRIBUTED / "bench_runs.py", json.dumps([list(map(str, r)) for r in runs]), timeout=240)
+    printed = re.split(r"^=== bench_runs\.py: run \d+\n", result.stdout, flags=re.M)[1:]
+    assert len(printed) == 2, result.tail()
+    return [(printed[0], root / "all.json", root / "traces"), (printed[1], root / "spatial.json", None)]
+
+
+def test_two_ranks_run_every_schedule_and_write_json_and_traces(two_ranks):
+    table, out, traces = two_ranks[0]
     for name in ("mp", "gpipe", "1f1b", "mast", "reference", "simulator", "physical limit"):
         assert name in table, table
     report = json.loads(out.read_text())
@@ -89,7 +101,7 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
         assert len(r["stage_forward"]) == len(r["stage_backward"]) == 2
         assert len(r["peak_memory"]) == len(r["plan_memory"]) == 2
         assert min(r["peak_memory"]) > 0 and min(r["plan_memory"]) > 0
-        trace = json.loads((tmp_path / "traces" / f"{name}.json").read_text())
+        trace = json.loads((traces / f"{name}.json").read_text())
         assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert report["schedules"]["mp"]["ratio_to_mp"] == 1.0
     assert report["reference"]["images_per_s"] > 0
@@ -98,11 +110,8 @@ def test_two_ranks_run_every_schedule_and_write_json_and_traces(tmp_path):
     assert len(memory_cells) == 4 * 2 + 1, table   # measured / estimated (error): per schedule and rank, reference
 
 
-def test_two_ranks_run_a_spatial_plan_and_name_the_tile_member(tmp_path):
-    out = tmp_path / "bench.json"
-    result = run_mpi(2, *command(), "--model", TINY, "--image-size", "32", "--batch-size", "2", "--steps", "1",
-                     "--warmup", "0", "--schedules", "mp", "--spatial", "2", "--json", out, timeout=120)
-    table = result.stdout
+def test_two_ranks_run_a_spatial_plan_and_name_the_tile_member(two_ranks):
+    table, out, _ = two_ranks[1]
     assert "--spatial 2: stage 0's first units on tile groups of 2 ranks" in table, table
     report = json.loads(out.read_text())
     assert report["stages"] == 1 and report["tiles"] == 2 and report["config"]["spatial"] == "2"
@@ -122,19 +131,23 @@ def test_spatial_on_too_few_ranks_is_one_sentence_and_exit_2():
                                      "1f1b, mast), which 2 ranks cannot form: launch a multiple of 3 ranks")
 
 
-def test_spatial_auto_is_refused_in_one_sentence():
-    result = subprocess.run([sys.executable, "-m", "gems.cli.bench", "--spatial", "auto"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("gems-bench: error: gems-bench needs the tile count before planning: pass "
-                                     "--spatial P or RxC (gems-plan --spatial auto finds one)")
+@pytest.fixture(scope="module")
+def one_process():
+    """gems-bench's main on each bad command line below, all in one process (conftest.cli_cases)."""
+    return cli_cases("gems.cli.bench", [["--spatial", "auto"], ["--schedules", "mp,zigzag"]])
 
 
-def test_bad_flag_value_is_one_line_and_exit_2():
-    result = subprocess.run([sys.executable, "-m", "gems.cli.bench", "--schedules", "mp,zigzag"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith("gems-bench: error: --schedules")
+def test_spatial_auto_is_refused_in_one_sentence(one_process):
+    result = one_process[0]
+    assert result["code"] == 2
+    assert result["stderr"].strip() == ("gems-bench: error: gems-bench needs the tile count before planning: pass "
+                                        "--spatial P or RxC (gems-plan --spatial auto finds one)")
+
+
+def test_bad_flag_value_is_one_line_and_exit_2(one_process):
+    result = one_process[1]
+    assert result["code"] == 2
+    assert result["stderr"].strip().startswith("gems-bench: error: --schedules")
 
 
 def test_targets_follow_the_output_shape():
@@ -162,6 +175,7 @@ def test_split_backward_auto_is_chosen_per_schedule_and_reported(one_torch_threa
     """Each schedule's plan chooses; the stage times, the simulator and the header follow that choice."""
     cfg = BenchConfig(model=TINY, image_size=16, batch_size=2, schedules="mp,mast", steps=1, warmup=0,
                       split_backward="auto")
+    models.build(TINY)   # the factory's file loaded once, here: two rank threads loading it at once race
     report = loopback.run(2, lambda comm: bench.run(cfg, comm))[0]
     chosen = {name: r["split_backward"] for name, r in report["schedules"].items()}
     planned = {name: partition.plan(models.build(TINY, num_classes=10), (3, 16, 16), 2, 2, name, 1,

@@ -3,7 +3,8 @@ checkpoint is used instead, a full disk stops the run with the previous checkpoi
 rotation never deletes the checkpoint just written.
 
 Collective behaviour is tested in one process: ``ThreadComm`` runs each rank of ``save`` in a
-thread, so a failure on one rank and the agreement of all ranks are checked without MPI.
+thread, so a failure on one rank and the agreement of all ranks are checked without MPI. A real
+full disk stops a real process; 2 real ranks resume past a damaged shard.
 """
 from __future__ import annotations
 
@@ -259,18 +260,40 @@ def test_a_real_full_disk_stops_training_with_one_line_and_the_previous_checkpoi
         f"gems-train: error: checkpoint step-00000002 not written: no space left on device (ENOSPC) writing "
         f"stage-0.pt on rank 0 in {tiny_tmpfs}; the previous checkpoint step-00000001 is kept: free space there "
         "or choose another --checkpoint-dir, then --resume")
-    assert [p.name for p in tiny_tmpfs.iterdir()] == ["step-00000001"]
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["config.toml", "step-00000001"]
     subprocess.run(["mount", "-o", "remount,size=1m", str(tiny_tmpfs)], check=True)
     resumed = single(*args, "--steps", "2", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 1" in resumed.stdout
 
 
-def test_two_ranks_resume_from_the_same_checkpoint_when_one_shard_is_damaged(tmp_path):
-    """Rank 0 never reads stage-1.pt, yet it must fall back with rank 1: every rank checks every file."""
+def train_on_loopback_ranks(argv: list, ranks: int, monkeypatch) -> list:
+    """gems-train's loop (trainer.prepare, trainer.run) on ``ranks`` loopback ranks, threads of this
+    process: each rank's exit status. Signal handlers belong to the main thread, so none is installed;
+    ``prepare`` (which never communicates) runs one rank at a time: its checks are made for ranks that
+    are processes (a probe file named by the process id, the model's file loaded once)."""
+    from gems.cli.train import parse  # noqa: PLC0415
+    from gems.comm import loopback  # noqa: PLC0415
+    from gems.train import trainer  # noqa: PLC0415
+
+    monkeypatch.setattr(trainer, "_Signals", lambda: SimpleNamespace(caught=0))
+    cfg, one_at_a_time = parse([str(a) for a in argv]), threading.Lock()
+
+    def rank(comm) -> int:
+        with one_at_a_time:
+            job = trainer.prepare(cfg, comm)
+        return trainer.run(job)
+    return loopback.run(ranks, rank, timeout=60)
+
+
+def test_two_ranks_resume_from_the_same_checkpoint_when_one_shard_is_damaged(tmp_path, monkeypatch):
+    """Rank 0 never reads stage-1.pt, yet it must fall back with rank 1: every rank checks every file.
+    The checkpoints are written in process (2 loopback ranks, the same run); the resume is 2 real ranks."""
     ck = tmp_path / "ck"
     args = [*BASE, "--batch-size", "4", "--stages", "2", "--checkpoint-dir", ck, "--checkpoint-every", "1"]
-    run_mpi(2, TRAIN, *args, "--steps", "2", timeout=180)
+    monkeypatch.chdir(REPO)   # the model's path is relative to the repository
+    assert train_on_loopback_ranks([*args, "--steps", "2"], 2, monkeypatch) == [0, 0]
+    assert [p.name for p in checkpoint.complete(ck)] == ["step-00000001", "step-00000002"]
     flip(ck / "step-00000002" / "stage-1.pt")
     result = run_mpi(2, TRAIN, *args, "--steps", "3", "--resume", timeout=180)
     print(result.stderr)

@@ -1,11 +1,12 @@
 """benchmarks/out_of_core.py runs end to end on a small model (pre-activation ResNet-20) and prints
-well-formed figures (the figures themselves belong to the benchmark, not to a test)."""
+well-formed figures (the figures themselves belong to the benchmark, not to a test). Its ``main``
+runs in this process (its planning on fake tensors too); its gems-train runs are real launches."""
 from __future__ import annotations
 
-import os
+import importlib.util
 import re
-import subprocess
-import sys
+
+import pytest
 
 from conftest import REPO, mpiexec
 
@@ -13,14 +14,21 @@ SCRIPT = REPO / "benchmarks" / "out_of_core.py"
 ROW = re.compile(r"^\s*(\d+)  (none, no budget|none|all|auto)\s+(.+?)\s+([\d.]+)\s+([\d.]+)x  (.*)$", re.M)
 
 
-def test_out_of_core_benchmark_reports_sides_policies_times_and_estimates():
-    env = {**os.environ, "GEMS_MPIEXEC": mpiexec()}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", "tests/assets/tiny_model.py:small_preact",
-                             "--budget", "8MiB", "--side-step", "8", "--max-side", "96", "--steps", "2",
-                             "--between", "0"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+def benchmark():
+    spec = importlib.util.spec_from_file_location("out_of_core", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(420)
+def test_out_of_core_benchmark_reports_sides_policies_times_and_estimates(capsys, monkeypatch):
+    ooc = benchmark()
+    monkeypatch.setattr(ooc, "MPIEXEC", mpiexec())
+    status = ooc.main(["--model", "tests/assets/tiny_model.py:small_preact", "--budget", "8MiB", "--side-step", "8",
+                       "--max-side", "64", "--steps", "2", "--between", "0", "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert status == 0, out
     plain, policed = map(int, re.search(r"largest side (\d+) without policies, (\d+) with auto", out).groups())
     assert 0 < plain < policed
     assert f"at side {plain} (and below) auto chooses none,none" in out

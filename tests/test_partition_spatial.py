@@ -1,8 +1,11 @@
 """The planner's spatial part (gems.partition.spatial, gems.spatial.limit): how far a model can be
 tiled and why not further, the grid with the least halo traffic, the leader's memory at about 1/P
 on the tiled units, JSON, gems-plan's flags and their bad input, and ResNet-50 at 16384^2 under
-80 GiB per rank. Fake tensors only."""
+80 GiB per rank. Fake tensors only; a plan asked for alike by several tests is made once (``_plan``)."""
 from __future__ import annotations
+
+import copy
+import functools
 
 import pytest
 import torch
@@ -19,6 +22,16 @@ from spatial_models import GroupNormNet
 BASE = dict(batch_size=1, stages=1, schedule="mp")
 NET = ["--model", "tests/spatial_models.py:GroupNormNet", "--image-size", "64", "--batch-size", "1", "--stages", "1",
        "--schedule", "mp"]
+
+
+@functools.cache
+def _planned(net, shape, **options) -> Plan:
+    return plan(net(), shape, **options)
+
+
+def _plan(net, shape, **options) -> Plan:
+    """``plan(net(), shape, **options)``, made once per module: a copy of it."""
+    return copy.deepcopy(_planned(net, tuple(shape), **options))
 
 
 class Flat(nn.Module):
@@ -50,15 +63,15 @@ def test_the_reach_ends_after_a_global_pooling():
 @pytest.mark.parametrize("size, grid", [((32, 256), [1, 4]), ((256, 32), [4, 1]), ((128, 128), [2, 2])])
 def test_the_grid_with_the_least_halo_traffic(size, grid):
     # cutting along the long side exchanges the short side's borders; a square image: 2 x 2
-    assert plan(GroupNormNet(), (3, *size), spatial=4, **BASE).spatial_grid == grid
-    assert plan(GroupNormNet(), (3, *size), spatial="2x2", **BASE).spatial_grid == [2, 2]
+    assert _plan(GroupNormNet, (3, *size), spatial=4, **BASE).spatial_grid == grid
+    assert _plan(GroupNormNet, (3, *size), spatial="2x2", **BASE).spatial_grid == [2, 2]
 
 
 @pytest.mark.parametrize("tiles", [2, 4, 8])
 def test_the_leader_keeps_about_a_tile_of_the_tiled_units(tiles):
     size = 256
-    whole = plan(GroupNormNet(), (3, size, size), **BASE)
-    tiled = plan(GroupNormNet(), (3, size, size), spatial=tiles, **BASE)
+    whole = _plan(GroupNormNet, (3, size, size), **BASE)
+    tiled = _plan(GroupNormNet, (3, size, size), spatial=tiles, **BASE)
     assert tiled.spatial_end == len(tiled.unit_names) - 2   # through the pooling, before flatten and head
     share = tiled.stage_estimates[0].activation_bytes / whole.stage_estimates[0].activation_bytes
     assert 1 / tiles <= share <= 1.1 / tiles    # a tile each (of the images too), plus the halo rows fetched
@@ -69,14 +82,14 @@ def test_the_leader_keeps_about_a_tile_of_the_tiled_units(tiles):
 
 
 def test_recompute_segments_stop_at_the_spatial_end():
-    p = plan(GroupNormNet(), (3, 128, 128), spatial=2, spatial_end=5, recompute="all", **BASE)
+    p = _plan(GroupNormNet, (3, 128, 128), spatial=2, spatial_end=5, recompute="all", **BASE)
     assert p.spatial_end == 5 and p.policies[0].recompute
     assert not any(a < 5 < b for a, b in p.policies[0].recompute)
     p.check()
 
 
 def test_json_round_trip():
-    p = plan(GroupNormNet(), (3, 64, 64), spatial="1x2", spatial_end=4, batch_size=2, stages=2, schedule="mast")
+    p = _plan(GroupNormNet, (3, 64, 64), spatial="1x2", spatial_end=4, batch_size=2, stages=2, schedule="mast")
     back = Plan.from_json(p.to_json())
     assert (back.spatial_grid, back.spatial_end, back.tiles) == ([1, 2], 4, 2)
     assert back.stage_estimates[0].spatial_seconds == p.stage_estimates[0].spatial_seconds
@@ -93,12 +106,12 @@ def test_a_unet_suffix_is_priced_as_tiles_and_kept_inside_the_last_stage():
     """The zoo U-Net (units: encoder [0, 14), middle, full-resolution decoder from unit 28): with the
     decoder tail as a suffix the leader keeps less than with the same prefix alone; under mast the
     suffix stays inside the last stage and no recompute segment crosses its start."""
-    prefix = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE)
-    both = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, **BASE)
+    prefix = _plan(_unet, (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE)
+    both = _plan(_unet, (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, **BASE)
     assert (prefix.spatial_start, both.spatial_start) == (0, 28)
     assert both.positions[0].activation_bytes < 0.8 * prefix.positions[0].activation_bytes
     assert both.stage_estimates[0].spatial_seconds > prefix.stage_estimates[0].spatial_seconds   # the scatter, gather
-    mast = plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, batch_size=2, stages=2,
+    mast = _plan(_unet, (3, 64, 64), spatial=2, spatial_end=14, spatial_start=28, batch_size=2, stages=2,
                 schedule="mast", recompute="all")
     assert mast.cuts[1] >= 14 and mast.cuts[1] <= 28 and mast.spatial_start == 28
     assert not any(a < 28 < b for a, b in mast.policies[1].recompute)
@@ -108,12 +121,12 @@ def test_a_unet_suffix_is_priced_as_tiles_and_kept_inside_the_last_stage():
 
 
 def test_the_planner_finds_a_suffix_for_a_unet_and_none_for_a_classifier():
-    assert plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE).spatial_start == 0
-    auto = plan(_unet(), (3, 64, 64), spatial=2, batch_size=2, stages=2, schedule="mast")
+    assert _plan(_unet, (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, **BASE).spatial_start == 0
+    auto = _plan(_unet, (3, 64, 64), spatial=2, batch_size=2, stages=2, schedule="mast")
     assert auto.spatial_start >= auto.cuts[1] and auto.spatial_end <= auto.cuts[1]
     assert auto.spatial_start > 0   # the decoder's full-resolution tail is worth tiling
-    assert plan(GroupNormNet(), (3, 64, 64), spatial=2, **BASE).spatial_start == 0
-    given = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **BASE)   # the prefix's end chosen before it
+    assert _plan(GroupNormNet, (3, 64, 64), spatial=2, **BASE).spatial_start == 0
+    given = _plan(_unet, (3, 64, 64), spatial=2, spatial_start=28, **BASE)   # the prefix's end chosen before it
     assert given.spatial_start == 28 and given.spatial_end < 28
 
 
@@ -121,8 +134,8 @@ def test_a_one_replica_pipeline_tiles_a_suffix_only_from_a_given_start():
     """1f1b with K = 2: no suffix searched (it would make the last position a tile group: more
     ranks); from a given start the last position is one, and the table counts its ranks."""
     one = dict(spatial_end=14, batch_size=2, stages=2, schedule="1f1b", micro_batches=2)
-    assert plan(_unet(), (3, 64, 64), spatial=2, **one).spatial_start == 0
-    given = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **one)
+    assert _plan(_unet, (3, 64, 64), spatial=2, **one).spatial_start == 0
+    given = _plan(_unet, (3, 64, 64), spatial=2, spatial_start=28, **one)
     assert given.spatial_start == 28 and given.tiled_stages == (0, 1)
     assert "at position(s) 0,1" in given.table() and "world 4 ranks = 1 group(s) x (2 + 1 x 2)" in given.table()
     given.check()
@@ -133,19 +146,19 @@ def test_a_tile_groups_other_ranks_are_estimated_on_their_own():
     member holds the suffix alone, less than its leader; positions that are no tile group, and
     plans without tiles, have no member estimate; the JSON keeps it."""
     one = dict(spatial_end=14, batch_size=2, stages=2, schedule="1f1b", micro_batches=2)
-    made = plan(_unet(), (3, 64, 64), spatial=2, spatial_start=28, **one)
+    made = _plan(_unet, (3, 64, 64), spatial=2, spatial_start=28, **one)
     first, last = made.positions
     assert 0 < first.member_peak_bytes < first.peak_bytes
     assert 0 < last.member_peak_bytes < 0.8 * last.peak_bytes
-    assert [p.member_peak_bytes for p in plan(_unet(), (3, 64, 64), spatial=2, **one).positions][1] == 0
-    assert all(p.member_peak_bytes == 0 for p in plan(_unet(), (3, 64, 64), **BASE).positions)
+    assert [p.member_peak_bytes for p in _plan(_unet, (3, 64, 64), spatial=2, **one).positions][1] == 0
+    assert all(p.member_peak_bytes == 0 for p in _plan(_unet, (3, 64, 64), **BASE).positions)
     assert Plan.from_json(made.to_json()).positions[1].member_peak_bytes == last.member_peak_bytes
 
 
 def test_a_sharded_optimizer_shares_tiled_units_over_the_tiles_too():
     """SGD with momentum, K = 1 on one tile group of 2 (no other copy): sharded, each rank keeps half
     the tiled units' momentum and all of the untiled rest's."""
-    plain, sharded = (plan(_unet(), (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, optimizer="sgd",
+    plain, sharded = (_plan(_unet, (3, 64, 64), spatial=2, spatial_end=14, spatial_start=0, optimizer="sgd",
                            shard_optimizer=shard, **BASE) for shard in (False, True))
     tiled = 4 * sum(p.numel() for u in list(graph_units(_unet(), (3, 64, 64), 1))[:14] for p in u.parameters())
     saved = plain.positions[0].static_bytes - sharded.positions[0].static_bytes

@@ -2,16 +2,21 @@
 
 In process (loopback ranks): a GroupNorm CNN with a 5x5 stride-2 stem, max pooling and residual
 blocks, and the zoo's U-Net (long skips, bilinear upsampling, concatenation; per-pixel labels),
-at sides that are not powers of two, 3 SGD steps; the model's state after them must equal one
-process training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
+at sides that are not powers of two, 2 SGD steps with momentum (the second applies the first's
+momentum to weights the first updated); the model's state after them must equal one process
+training on the same global batches (1e-5 relative). Layouts: spatial only (K = 1, P = 2
 and 4, strips and a 2x2 grid), spatial + gpipe and 1f1b (P = 2, K = 2, m = 2: 3 ranks), spatial +
 mast (P = 2, K = 2: 4 ranks; the U-Net's skips leave the tiled stage 0 gathered on the leaders), a
 U-Net's tiled suffix under K = 1, mast and one-replica pipelines (its own tile group at position K-1),
 spatial with data parallelism, and a prefix tiled with the rest of stage 0 on the leader.
+
+Tests that plan the same model alike share one plan, one trace of its units (each rank gets a deep
+copy, its flattened units with it) and one reference run (``_made``, ``_reference``).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
 from pathlib import Path
@@ -26,12 +31,14 @@ from gems.comm import loopback
 from gems.graph import graph_units
 from gems.schedule.topology import ranks_per_group
 from gems.spatial import flatten
+from gems.spatial.stage import _FLAT
 from models.unet import UNet
 from conftest import DISTRIBUTED
 from spatial_models import BatchNormNet, GroupNormNet
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 CLASSES = 5
+STEPS = 2
 
 
 def _unet() -> nn.Module:
@@ -48,7 +55,10 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+@functools.cache
 def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
+    """One process training the whole batches (shared by the tests that compare against the same run;
+    the caller only reads it)."""
     torch.manual_seed(0)
     model = net() if net is _unet else net(CLASSES)
     opt = _optimizer(model.parameters())
@@ -63,34 +73,60 @@ def _reference(batch: int, side: int, steps: int, net=GroupNormNet):
     return model.state_dict(), losses
 
 
+class _Made:
+    """A model as seeded and planned, kept for every test that plans it alike: handed out as copies."""
+
+    def __init__(self, side: int, net, **options) -> None:
+        torch.manual_seed(0)
+        self.side, self.model = side, net() if net is _unet else net(CLASSES)
+        self.plan = partition.plan(self.model, (3, side, side), device="cpu", **options)
+        self._traced = None
+
+    def copies(self, world: int) -> list:
+        """``world`` independent copies of the model's units, each flattened: traced and flattened
+        once, here in the main thread (fx patches nn.Module while tracing), then deep-copied with
+        their flattened units (which share the copy's modules) registered as ``flatten`` keeps them,
+        so that no rank's thread traces."""
+        if self._traced is None:
+            units = graph_units(copy.deepcopy(self.model), (3, self.side, self.side), self.plan.micro_batch_size)
+            self._traced = units, [flatten(unit) for unit in units]
+        out = []
+        for _ in range(world):
+            units, flats = copy.deepcopy(self._traced)
+            for unit, flat in zip(units, flats):
+                _FLAT[unit] = flat
+            out.append(units)
+        return out
+
+
+@functools.cache
+def _made(side: int, batch: int, K: int, schedule: str, **options) -> _Made:
+    return _Made(side, batch_size=batch, stages=K, schedule=schedule, **options)
+
+
 def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, split: bool = False,
           net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None, shard: bool = False):
-    torch.manual_seed(0)
-    model = net() if net is _unet else net(CLASSES)
-    plan = partition.plan(model, (3, side, side), batch, stages=K, schedule=schedule, groups=groups, device="cpu",
-                          split_backward=split, micro_batches=m, split_points=split_points, shard_optimizer=shard)
+    """The shared ``_Made`` and a copy of its plan with this spatial part and these recompute segments."""
+    made = _made(side, batch, K, schedule, net=net, groups=groups, split_backward=split, micro_batches=m,
+                 split_points=tuple(split_points or ()) or None, shard_optimizer=shard)
+    plan = copy.deepcopy(made.plan)
     plan.spatial_grid = list(grid)
     plan.spatial_end = plan.cuts[1] if end is None else end
     plan.spatial_start = start
     for s, segments in (recompute or {}).items():
         plan.policies[s].recompute = segments
     plan.check()
-    return model, plan
+    return made, plan
 
 
-def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = 3,
+def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = STEPS,
            split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None,
-           made=None, batch_norm: str = "micro-batch", shard: bool = False):
-    model, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
-                                recompute, shard)
+           made=None, batch_norm: str = "micro-batch", shard: bool = False, probe=None):
+    """Each rank's (state, losses) after ``steps`` steps, and with ``probe`` ``probe(engine)`` third."""
+    made, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
+                               recompute, shard)
     world = ranks_per_group(K, schedule, plan.tiles, bool(plan.spatial_start)) * groups
-    micro = plan.micro_batch_size
-    copies = []
-    for _ in range(world):   # traced here, in the main thread (fx patches nn.Module while tracing)
-        m = copy.deepcopy(model)
-        copies.append(graph_units(m, (3, side, side), micro))
-        for unit in copies[-1]:
-            flatten(unit)
+    copies = made.copies(world)
 
     def rank(comm):
         engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
@@ -99,19 +135,19 @@ def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups:
         for step in range(steps):
             x, y = _data(batch, side, step, net is _unet)
             losses.append(engine.step(x, y))
-        return engine.state_dict(), losses
+        return (engine.state_dict(), losses) + ((probe(engine),) if probe else ())
 
     return loopback.run(world, rank, semantics="nccl", timeout=60.0)
 
 
-def _check(results, batch: int, side: int, steps: int = 3, net=GroupNormNet):
+def _check(results, batch: int, side: int, steps: int = STEPS, net=GroupNormNet):
     ref_state, ref_losses = _reference(batch, side, steps, net)
-    state, losses = results[0]
+    state, losses = results[0][:2]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref_state.items():
         assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-6 * v.abs().max().item()), k
-    for other, other_losses in results[1:]:
-        assert other_losses == losses
+    for other in results[1:]:
+        assert other[1] == losses
 
 
 @pytest.mark.parametrize("grid", [(2, 1), (1, 2), (2, 2), (4, 1)])
@@ -122,7 +158,7 @@ def test_spatial_only_equals_one_process(grid):
 
 def test_spatial_prefix_then_leader():
     """The conv trunk tiled, gathered on the leader before the pooled head."""
-    units = graph_units(GroupNormNet(CLASSES), (3, 100, 100), 2).unit_names
+    units = _plan(100, 2, 1, "mp", (2, 1))[1].unit_names   # the units graph_units makes of the model
     end = next(i for i, n in enumerate(units) if "adaptive" in n)
     _check(_train(100, 2, 1, "mp", (2, 1), end=end), 2, 100)
 
@@ -168,24 +204,21 @@ def test_a_unet_with_a_tiled_suffix_under_mast(split):
 def test_a_planned_unet_suffix_under_mast_equals_one_process(K, recompute):
     """The planner's own choice of prefix, suffix, cuts and policies: K = 2 recomputing on every
     stage; K = 4, where the middle positions are single ranks between the two tile groups."""
-    torch.manual_seed(0)
-    model = _unet()
-    plan = partition.plan(model, (3, 36, 36), 4, stages=K, schedule="mast", device="cpu", spatial=(2, 1),
-                          recompute=recompute)
+    made = _made(36, 4, K, "mast", net=_unet, spatial=(2, 1), recompute=recompute)
+    plan = made.plan
     assert 0 < plan.spatial_end <= plan.cuts[1] and plan.cuts[-2] <= plan.spatial_start
-    _check(_train(36, 4, K, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
+    _check(_train(36, 4, K, "mast", None, net=_unet, made=(made, plan)), 4, 36, net=_unet)
 
 
 def test_recompute_segments_that_start_with_an_in_place_unit():
     """No spatial part: the U-Net under mast with recompute on every stage, whose segments start at
     its ReLU(inplace=True) units (checkpoint keeps a segment's input to recompute from; the
     segment runs on a copy of it)."""
-    torch.manual_seed(0)
-    model = _unet()
-    plan = partition.plan(model, (3, 36, 36), 4, stages=2, schedule="mast", device="cpu", recompute="all")
+    made = _made(36, 4, 2, "mast", net=_unet, recompute="all")
+    plan = made.plan
     names = plan.unit_names
     assert any(names[a].endswith((".2", ".5")) for policy in plan.policies for a, _ in policy.recompute)
-    _check(_train(36, 4, 2, "mast", None, net=_unet, made=(model, plan)), 4, 36, net=_unet)
+    _check(_train(36, 4, 2, "mast", None, net=_unet, made=(made, plan)), 4, 36, net=_unet)
 
 
 @pytest.mark.parametrize("K, schedule, split", [(2, "1f1b", True), (3, "gpipe", False)])
@@ -215,16 +248,12 @@ def test_predict_on_a_spatial_plan(K, schedule, unet):
     """Forward-only steps: the leader of position 0 returns the model's own outputs; members None
     (the U-Net with a tiled suffix: its outputs gathered from the tiles)."""
     if unet:
-        model, plan = _plan(36, 4, K, schedule, (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet,
-                            split_points=["up.0.0"] if K == 2 else None)
+        made, plan = _plan(36, 4, K, schedule, (2, 1), end=UNET_PREFIX, start=UNET_SUFFIX, net=_unet,
+                           split_points=["up.0.0"] if K == 2 else None)
     else:
-        model, plan = _plan(36, 4, K, schedule, (2, 1))
+        made, plan = _plan(36, 4, K, schedule, (2, 1))
     world = ranks_per_group(K, schedule, 2)
-    copies = []
-    for _ in range(world):
-        copies.append(graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size))
-        for unit in copies[-1]:
-            flatten(unit)
+    copies = made.copies(world)
     x, _ = _data(4, 36, 0)
 
     def rank(comm):
@@ -234,7 +263,7 @@ def test_predict_on_a_spatial_plan(K, schedule, unet):
 
     outputs = loopback.run(world, rank, semantics="nccl", timeout=60.0)
     with torch.no_grad():
-        expected = model.eval()(x)
+        expected = copy.deepcopy(made.model).eval()(x)
     assert torch.allclose(outputs[0], expected, rtol=1e-5, atol=1e-5)
     assert all(o is None for o in outputs[1:])
 
@@ -278,25 +307,21 @@ def test_deferred_batch_norm_with_a_spatial_part(K, schedule, batch, end):
     leaders. K = 1 with b2 untiled on the leader (end 12); mast K = 2 (4 ranks, two images per
     micro-batch). Every rank's copy of every layer ends with the running statistics of one batch
     of the whole global batch, parameters as one process."""
-    model, plan = _plan(36, batch, K, schedule, (2, 1), end=end, net=BatchNormNet)
+    made, plan = _plan(36, batch, K, schedule, (2, 1), end=end, net=BatchNormNet)
     assert any(n.endswith((".n1", ".n2")) for n in plan.unit_names[plan.spatial_end:plan.cuts[1]]) == (K == 1)
     world = ranks_per_group(K, schedule, plan.tiles)
-    copies = []
-    for _ in range(world):
-        copies.append(graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size))
-        for unit in copies[-1]:
-            flatten(unit)
+    copies = made.copies(world)
 
     def rank(comm):
         engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
                              loss_fn=nn.CrossEntropyLoss(), comm=comm, batch_norm="deferred")
-        for step in range(3):
+        for step in range(STEPS):
             engine.step(*_data(batch, 36, step))
         own = {(s, k): v.clone() for s, m in engine.stages.items() for k, v in m.state_dict().items()}
         return engine.state_dict(), own
 
     results = loopback.run(world, rank, semantics="nccl", timeout=60.0)
-    ref = _deferred_reference(batch, plan.micro_batch_size, 36, 3)
+    ref = _deferred_reference(batch, plan.micro_batch_size, 36, STEPS)
     state = results[0][0]
     assert state.keys() == ref.keys()
     for k, v in ref.items():
@@ -313,22 +338,15 @@ def test_a_sharded_optimizer_with_a_spatial_part(K, schedule, batch, end, groups
     the tiled units over every tile of every copy, the leader's untiled rest over the leaders -- and
     equals one process: K = 1 with b2 untiled and two data-parallel groups (tiled units over 4
     ranks, b2 over the 2 leaders), mast K = 2 (tiled units over 4 ranks, stage 1 over 2)."""
-    _check(_train(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True), batch, 36)
-    model, plan = _plan(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True)
-    world = ranks_per_group(K, schedule, plan.tiles) * groups
-    copies = [graph_units(copy.deepcopy(model), (3, 36, 36), plan.micro_batch_size) for _ in range(world)]
-    for units in copies:
-        for unit in units:
-            flatten(unit)
-
-    def owned(comm):   # the names of the parameters this rank's optimizer updates
-        engine = gems.Engine(copies[comm.rank], copy.deepcopy(plan), optimizer=_optimizer,
-                             loss_fn=nn.CrossEntropyLoss(), comm=comm)
+    def owned(engine):   # the names of the parameters this rank's optimizer updates
         mine = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
         return [n for m in engine.stages.values() for n, p in m.named_parameters() if id(p) in mine]
 
-    names = [n for ranks in loopback.run(world, owned, semantics="nccl", timeout=60.0) for n in ranks]
-    assert sorted(names) == sorted(n for n, _ in copies[0].named_parameters())   # each updated by one rank
+    results = _train(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True, probe=owned)
+    _check(results, batch, 36)
+    names = [n for _, _, ranks in results for n in ranks]
+    whole = _plan(36, batch, K, schedule, (2, 1), end=end, groups=groups, shard=True)[0].copies(1)[0]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())   # each updated by one rank
 
 
 def test_tiles_on_real_processes_train_like_one_process(run_mpi):
@@ -341,10 +359,11 @@ def test_tiles_on_real_processes_train_like_one_process(run_mpi):
 def test_loopback_ranks_refuse_a_spatial_plan_on_cuda():
     """Two loopback ranks on CUDA would deadlock in their tiles' backward (one autograd thread per
     device and process): the engine says so before touching the device (checked without a GPU)."""
-    model, plan = _plan(36, 2, 1, "mp", (2, 1))
+    made, plan = _plan(36, 2, 1, "mp", (2, 1))
+    copies = made.copies(2)
 
     def build(comm):
-        gems.Engine(graph_units(copy.deepcopy(model), (3, 36, 36), 2), plan, optimizer=_optimizer,
+        gems.Engine(copies[comm.rank], plan, optimizer=_optimizer,
                     loss_fn=nn.CrossEntropyLoss(), comm=comm, device="cuda")
 
     with pytest.raises(gems.GemsError, match="spatial plan on CUDA needs one process per rank"):

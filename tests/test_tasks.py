@@ -71,50 +71,49 @@ def test_segmentation_trains_validates_keeps_best_and_predicts_like_one_process(
     keys = ("step", "loss", "validation")
     assert [{k: v for k, v in line.items() if k in keys} for line in tail] == \
         [{k: v for k, v in line.items() if k in keys} for line in lines if line["step"] > 2]
-    # prediction on the validation pairs folder, pipelined on two ranks
+    # one gems-predict launch, pipelined on two ranks, on a pairs folder holding the validation images
+    # (the plan's size: one window each, "2048-style" full images) and an 80 x 72 tiled TIFF larger than
+    # the plan's 32 x 32 (sliding windows)
+    scenes = tmp_path / "scenes"
+    shutil.copytree(data / "val", scenes)
+    g = torch.Generator().manual_seed(0)
+    pixels = (torch.rand(80, 72, 3, generator=g) * 255).to(torch.uint8).numpy()
+    import tifffile  # noqa: PLC0415
+    tifffile.imwrite(scenes / "images" / "scene.tif", pixels, tile=(16, 16))
     out = tmp_path / "pred"
-    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", data / "val", "--out", out,
-            "--stages", "2", "--batch-size", "2", "--probabilities", "--probabilities-dtype", "float32",
+    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", scenes, "--out", out, "--stages", "2",
+            "--batch-size", "2", "--overlap", "8", "--probabilities", "--probabilities-dtype", "float32",
             timeout=120)
     model = reference_model(exported(ck, tmp_path / "model.pt"))
     from gems.train import images  # noqa: PLC0415
     names = sorted(p.name for p in (data / "val" / "images").iterdir())
-    assert sorted(p.name for p in out.glob("*.png")) == sorted(Path(n).with_suffix(".png").name for n in names)
+    assert sorted(p.name for p in out.glob("*.png")) == \
+        sorted(Path(n).with_suffix(".png").name for n in [*names, "scene.tif"])
     for name in names:
         x = images.read_image(str(data / "val" / "images" / name))
         with torch.no_grad():
             probs = model(x[None]).softmax(1)[0]
         got = torch.from_numpy(np.asarray(Image.open(out / Path(name).with_suffix(".png"))).astype(np.int64))
-        import tifffile  # noqa: PLC0415
         got_probs = torch.from_numpy(tifffile.imread(out / Path(name).with_suffix(".tif"))).permute(2, 0, 1)
         torch.testing.assert_close(got_probs, probs, rtol=0, atol=1e-5)
         top2 = probs.topk(2, 0).values
         clear = (top2[0] - top2[1]) > 1e-5
         assert torch.equal(got[clear], probs.argmax(0)[clear])
-    sliding_windows_equal_one_process(tmp_path, ck, model)
+    sliding_windows_equal_one_process(scenes / "images" / "scene.tif", out / "scene.tif", model)
 
 
-def sliding_windows_equal_one_process(tmp_path: Path, ck: Path, model) -> None:
-    """gems-predict on an 80 x 72 tiled TIFF, larger than the plan's 32 x 32: the blended windows
-    equal one process running the same windows with the same weights."""
-    big = tmp_path / "big"
-    big.mkdir()
-    g = torch.Generator().manual_seed(0)
-    pixels = (torch.rand(80, 72, 3, generator=g) * 255).to(torch.uint8).numpy()
+def sliding_windows_equal_one_process(scene: Path, predicted: Path, model) -> None:
+    """gems-predict's probabilities for the 80 x 72 ``scene``, larger than the plan's 32 x 32 (windows
+    overlapping by 8, blended), equal one process running the same windows with the same weights."""
     import tifffile  # noqa: PLC0415
-    tifffile.imwrite(big / "scene.tif", pixels, tile=(16, 16))
-    out = tmp_path / "pred-big"
-    run_mpi(2, BIN / "gems-predict", "--checkpoint-dir", ck, "--data", big, "--out", out, "--stages", "2",
-            "--batch-size", "2", "--overlap", "8", "--probabilities", "--probabilities-dtype", "float32",
-            timeout=120)
     from gems.train import images, regions, windows  # noqa: PLC0415
     stitcher = windows.Stitcher(80, 72, 3, SIZE, 8)
-    source = regions.open_image(big / "scene.tif")
+    source = regions.open_image(scene)
     for top, left in windows.window_origins(80, 72, SIZE, 8):
         x = images.normalise(regions.to_unit_float(source.read(top, left, SIZE, SIZE)))
         with torch.no_grad():
             stitcher.add(top, left, model(x[None]).softmax(1)[0])
-    got = torch.from_numpy(tifffile.imread(out / "scene.tif")).permute(2, 0, 1)
+    got = torch.from_numpy(tifffile.imread(predicted)).permute(2, 0, 1)
     torch.testing.assert_close(got, stitcher.result(), rtol=0, atol=1e-5)
 
 

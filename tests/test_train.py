@@ -115,20 +115,32 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-def test_sigusr1_saves_and_exits_with_code_3(tmp_path):
-    common = [*BASE, "--batch-size", "4", "--stages", "2", "--checkpoint-dir", tmp_path / "ck"]
-    proc = launch([*common, "--steps", "400", "--metrics", tmp_path / "m.jsonl"])
-    wait_for_lines(tmp_path / "m.jsonl", 2, proc)
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory):
+    """A 2-rank run (K = 2, mast) that SIGUSR1 reaches on every rank once it has logged two steps, as
+    Slurm signals a job before its time limit: (exit status, stdout, checkpoint directory, saved step).
+    The checkpoint it saves is resumed in ``one_process``, on another partition (a resume on the same
+    2 ranks is tests/test_checkpoint_safety.py's and tests/test_faults.py's)."""
+    root = tmp_path_factory.mktemp("signalled")
+    proc = launch([*BASE, "--batch-size", "4", "--stages", "2", "--checkpoint-dir", root / "ck", "--steps", "400",
+                   "--metrics", root / "m.jsonl"])
+    wait_for_lines(root / "m.jsonl", 2, proc)
     for pid in ranks_of(proc):
         os.kill(pid, signal.SIGUSR1)
     code, out, _ = finish(proc)
+    saved = sorted((root / "ck").glob("step-*/manifest.json"))
+    return code, out, root / "ck", int(saved[-1].parent.name[5:]) if saved else None
+
+
+def test_sigusr1_saves_and_exits_with_code_3(signalled, one_process):
+    code, out, ck, step = signalled
     assert code == 3, out
     assert "stopped by signal" in out
-    saved = sorted((tmp_path / "ck").glob("step-*/manifest.json"))
-    assert saved, out
-    result = run_mpi(2, TRAIN, *common, "--steps", str(int(saved[-1].parent.name[5:]) + 1), "--resume",
-                     timeout=240)
-    assert "gems-train: done" in result.stdout
+    assert step is not None, out
+    resumed = one_process["resume-partition"]   # the saved checkpoint resumes (on 1 rank: gpipe, a plan file)
+    assert resumed["code"] == 0, resumed["stderr"]
+    assert f"resumed from {ck / f'step-{step:08d}'} at step {step}" in resumed["stdout"]
+    assert "gems-train: done" in resumed["stdout"]
 
 
 BAD_INPUT = [
@@ -163,12 +175,19 @@ def one_sentence(code, stderr: str, message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, signalled):
     """This module's command lines for one process, by name, through gems-train's main in one process
-    (conftest.cli_cases), in order: a checkpoint of one step, resumes it must refuse, a dry run, and
-    every BAD_INPUT."""
+    (conftest.cli_cases), in order: a checkpoint of one step, resumes it must refuse, a dry run, every
+    BAD_INPUT, then ``signalled``'s checkpoint resumed on another partition (K = 1, gpipe) from a plan
+    file gems-plan wrote, and that plan file under a schedule it was not made for."""
     root = tmp_path_factory.mktemp("one-process")
     (root / "empty").mkdir()
+    plan = root / "plan.json"
+    with pytest.MonkeyPatch.context() as mp:   # gems-plan's main, in this process: the model's path is relative
+        mp.chdir(REPO)
+        assert exit_status(gems_plan.main, ["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages",
+                                            "1", "--schedule", "gpipe", "--micro-batches", "2", "--json", plan]) == 0
+    _, _, ck, step = signalled
     cases = {
         "checkpoint": [*BASE, "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--steps", "1",
                        "--checkpoint-dir", root / "ck"],
@@ -178,6 +197,9 @@ def one_process(tmp_path_factory):
         "dry-run": [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2",
                     "--dry-run"],
         **{f"bad-{i}": [*BASE, "--batch-size", "2", *args] for i, (args, _) in enumerate(BAD_INPUT)},
+        "resume-partition": [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches",
+                             "2", "--plan", plan, "--steps", (step or 0) + 1, "--checkpoint-dir", ck, "--resume"],
+        "plan-mismatch": [*BASE, "--batch-size", "4", "--stages", "1", "--plan", plan, "--steps", "1"],
     }
     return dict(zip(cases, cli_cases("gems.cli.train", list(cases.values()))))
 
@@ -210,20 +232,14 @@ def test_dry_run_prints_plan_and_split(one_process):
     assert "per replica 2 micro-batch(es) x 2 images" in result["stdout"]
 
 
-def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(tmp_path, monkeypatch):
-    ck = tmp_path / "ck"
-    run_mpi(2, TRAIN, *BASE, "--batch-size", "4", "--stages", "2", "--steps", "2", "--checkpoint-dir", ck,
-            timeout=240)
-    plan = tmp_path / "plan.json"
-    monkeypatch.chdir(REPO)   # gems-plan's main, in this process: the model's path is relative to the repository
-    assert exit_status(gems_plan.main, ["--model", TINY, "--image-size", "32", "--batch-size", "4", "--stages", "1",
-                                        "--schedule", "gpipe", "--micro-batches", "2", "--json", plan]) == 0
-    result, mismatch = cli_cases("gems.cli.train", [
-        [*BASE, "--batch-size", "4", "--stages", "1", "--schedule", "gpipe", "--micro-batches", "2", "--plan", plan,
-         "--steps", "3", "--checkpoint-dir", ck, "--resume"],
-        [*BASE, "--batch-size", "4", "--stages", "1", "--plan", plan, "--steps", "1"]])
+def test_a_checkpoint_resumes_on_another_partition_and_plan_files_are_used(signalled, one_process):
+    """The checkpoint 2 ranks saved (K = 2, mast) resumes on 1 (K = 1, gpipe, from gems-plan's file); the
+    plan file refuses a run under another schedule."""
+    _, out, _, step = signalled
+    assert step is not None, out
+    result, mismatch = one_process["resume-partition"], one_process["plan-mismatch"]
     assert result["code"] == 0, result["stderr"]
-    assert "at step 2" in result["stdout"] and "gems-train: done" in result["stdout"]
+    assert f"at step {step}" in result["stdout"] and "gems-train: done" in result["stdout"]
     assert mismatch["code"] == 2 and "pass --schedule gpipe" in mismatch["stderr"], mismatch["stderr"]
 
 

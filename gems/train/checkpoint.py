@@ -40,6 +40,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def check_writable(directory: str | os.PathLike) -> Path:
     d = Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".write-test-{os.getpid()}"
+        probe = d / f".write-test-{os.getpid()}-{threading.get_ident()}"   # ranks may be threads (loopback)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
