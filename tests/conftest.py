@@ -176,10 +176,12 @@ def one_torch_thread():
 
 # `make test` runs two pytest workers, each given whole files in turn (pytest-xdist --dist loadfile
 # --no-loadscope-reorder). The longest files (launches, mostly) start first, so that neither worker is
-# left running one of them alone at the end; the rest follow in collection order. Longest first:
-LONGEST_FILES = ("test_train.py", "test_spatial_engine.py", "test_checkpoint_safety.py",
-                 "test_tasks.py", "test_partition_spatial.py", "test_out_of_core.py", "test_any_model.py",
-                 "test_equivalence.py", "test_comm.py")
+# left running one of them alone at the end; the rest follow in collection order. Longest first, by the
+# sum of their tests' durations in `make test` (--durations=0, 2026-11-27):
+LONGEST_FILES = ("test_spatial_engine.py", "test_equivalence.py", "test_train.py", "test_tasks.py", "test_comm.py",
+                 "test_any_model.py", "test_partition_spatial.py", "test_out_of_core.py", "test_oom.py",
+                 "test_engine.py", "test_handshake.py", "test_cli_plan.py", "test_spatial.py", "test_launchers.py",
+                 "test_checkpoint_safety.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

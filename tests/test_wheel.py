@@ -91,13 +91,14 @@ def test_gems_runs_from_the_installed_wheel(installed):
                 "import gems, gems.spatial, gems.schedule, gems.partition; print(gems.__file__)")
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).resolve().is_relative_to(installed.resolve()), where.stdout
-    plan = run(installed, str(installed / "bin" / "gems-plan"), "--model", "resnet18", "--image-size", "512",
-               "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial", "2")
+    unet = ["--model", "unet", "--model-arg", "width=4", "--model-arg", "depth=3", "--model-arg", "groups=2",
+            "--num-classes", "3", "--image-size", "32", "--batch-size", "2"]
+    plan = run(installed, str(installed / "bin" / "gems-plan"), *unet, "--stages", "2", "--schedule", "mast",
+               "--spatial", "2")
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert "on a 2x1 tile grid: 2 ranks per tile group" in plan.stdout, plan.stdout
-    train = run(installed, mpiexec(), "-n", "2", str(installed / "bin" / "gems-train"), "--model", "unet",
-                "--model-arg", "width=4", "--model-arg", "depth=3", "--model-arg", "groups=2", "--task",
-                "segmentation", "--num-classes", "3", "--image-size", "32", "--batch-size", "2", "--stages", "1",
-                "--schedule", "mp", "--spatial", "2", "--steps", "1", "--workers", "0", "--no-progress")
+    train = run(installed, mpiexec(), "-n", "2", str(installed / "bin" / "gems-train"), *unet, "--task",
+                "segmentation", "--stages", "1", "--schedule", "mp", "--spatial", "2", "--steps", "1", "--workers",
+                "0", "--no-progress")
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "gems-train: done" in train.stdout, train.stdout[-3000:]
