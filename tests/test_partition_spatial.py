@@ -60,6 +60,21 @@ def test_the_reach_ends_after_a_global_pooling():
     assert units.unit_names[reach.end - 1] == "adaptive_avg_pool2d" and "leaves no value tiled" in reach.reason
 
 
+def test_the_reach_ends_before_a_unit_whose_traced_graph_does_not_run_on_its_own():
+    """An AmoebaNet cell takes a tensor (after the stem) or a pair: traced on its own it keeps the
+    pair's branch, so the planner cannot size it on tiles. The reach ends before it, in a sentence,
+    and a spatial plan tiles the stem (a traceback from the sizing pass, before)."""
+    from gems import models  # noqa: PLC0415
+
+    net = models.build("amoebanet-d", num_classes=4, num_layers=3, num_filters=16)
+    units = graph_units(net, (3, 64, 64), 1)
+    reach = spatial_limit(list(units), units.unit_names, (1, 3, 64, 64))
+    assert reach.end == 1 and reach.reason.startswith(f"unit {units.unit_names[1]} does not run as traced on its own")
+    assert "end the spatial part at most 1 units in" in reach.reason
+    tiled = plan(net, (3, 64, 64), 4, 2, "mast", spatial=2, device="cpu")
+    assert tiled.spatial_grid == [2, 1] and tiled.spatial_end == 1
+
+
 @pytest.mark.parametrize("size, grid", [((32, 256), [1, 4]), ((256, 32), [4, 1]), ((128, 128), [2, 2])])
 def test_the_grid_with_the_least_halo_traffic(size, grid):
     # cutting along the long side exchanges the short side's borders; a square image: 2 x 2

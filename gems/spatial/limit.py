@@ -26,7 +26,7 @@ from gems.errors import GemsError
 from gems.spatial.geometry import halo
 from gems.spatial.ops import _pair, conv_padding
 from gems.spatial.stage import check_grid, flatten, input_shapes
-from gems.spatial.unit import analyse, record_sizes
+from gems.spatial.unit import Unsized, analyse, record_sizes
 
 HW = tuple[int, int]
 
@@ -111,9 +111,17 @@ def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: 
     """How far the units (an image batch of ``image`` = (N, C, H, W) going in) can run on tiles,
     with the windows and tiled sizes of that prefix (module docstring)."""
     units = [flatten(unit) for unit in units]   # as the runtime runs them: down to torch.nn's layers
-    shapes = record_sizes(units, torch.Size(image))
+    try:
+        shapes, unsized = record_sizes(units, torch.Size(image)), None
+    except Unsized as error:   # the units before it can still be tiled
+        shapes, unsized = error.found, error
     tiled_in, windows, sizes = [True], [], []
-    for k, (unit, found) in enumerate(zip(units, shapes)):
+    for k, unit in enumerate(units):
+        if k == len(shapes):
+            return Reach(k, f"unit {names[k]} does not run as traced on its own ({unsized.cause}), so it cannot be "
+                            f"sized on tiles; end the spatial part at most {k} units in, before it", windows, sizes,
+                         list(names))
+        found = shapes[k]
         try:
             plan, tiled_in = analyse(unit, names[k], found, tiled_in)
         except GemsError as error:
@@ -129,8 +137,12 @@ def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: 
 
 def sizes_of(units: Sequence[nn.Module], image: Sequence[int]) -> list[dict]:
     """``record_sizes`` of all the units, flattened as the runtime runs them, from an image batch of
-    ``image``: what ``suffix_limit`` takes to try many starts on one fake pass."""
-    return record_sizes([flatten(unit) for unit in units], torch.Size(image))
+    ``image``: what ``suffix_limit`` takes to try many starts on one fake pass. Where a unit cannot be
+    sized, those before it (no suffix reaches the model's end through that unit)."""
+    try:
+        return record_sizes([flatten(unit) for unit in units], torch.Size(image))
+    except Unsized as error:
+        return error.found
 
 
 def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequence[int], start: int,
@@ -140,7 +152,12 @@ def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequen
     the model's end (then a suffix there saves nothing). ``shapes``: ``sizes_of(units, image)``, for a
     caller trying many starts (one fake pass, not one each)."""
     tail = [flatten(unit) for unit in units[start:]]
-    shapes = record_sizes(tail, torch.Size(image), units[:start]) if shapes is None else shapes[start:]
+    try:
+        shapes = record_sizes(tail, torch.Size(image), units[:start]) if shapes is None else shapes[start:]
+    except Unsized:
+        return None
+    if len(shapes) < len(tail):   # a unit of the suffix cannot be sized (sizes_of stopped before it)
+        return None
     try:
         scattered = input_shapes(tail[0], shapes[0], names[start])
     except GemsError:

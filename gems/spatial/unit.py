@@ -49,11 +49,24 @@ class Node:
     tiled: bool   # whether its result is tiled
 
 
+class Unsized(GemsError):
+    """A unit's graph, traced on its own, does not run on what the units before it made (a forward
+    that branches on its input's type, such as an AmoebaNet cell taking a tensor or a pair, traces
+    one branch only): ``unit`` is its index among the units sized, ``found`` the shapes of those
+    before it."""
+
+    def __init__(self, unit: int, found: list[dict[fx.Node, tuple]], error: Exception) -> None:
+        self.cause = f"{type(error).__name__}: {' '.join(str(error).split()[:20])}"
+        super().__init__(f"unit {unit} of the spatial part does not run as traced on its own ({self.cause}); end "
+                         "the spatial part before it")
+        self.unit, self.found = unit, found
+
+
 def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size,
                  before: Sequence[nn.Module] = ()) -> list[dict[fx.Node, tuple]]:
     """Per unit, the global shape of every tensor value of its graph, from a fake pass of the
     units in order from an image batch of ``image`` shape, after the units ``before`` them (run
-    as they are; eval mode: nothing is updated)."""
+    as they are; eval mode: nothing is updated). ``Unsized`` where a unit's graph fails."""
     found: list[dict[fx.Node, tuple]] = []
     modes = [(m, m.training) for u in [*before, *units] for m in u.modules()]
     try:
@@ -65,9 +78,12 @@ def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size,
             x = mode.from_tensor(torch.empty(image, device=device))
             for u in before:
                 x = u(x)
-            for u in units:
+            for k, u in enumerate(units):
                 shapes: dict[fx.Node, tuple] = {}
-                x = _Recorder(u, shapes).run(x)
+                try:
+                    x = _Recorder(u, shapes).run(x)
+                except (RuntimeError, IndexError, TypeError, ValueError, AttributeError) as error:
+                    raise Unsized(k, found, error) from None
                 found.append(shapes)
     finally:
         for m, training in modes:
