@@ -157,6 +157,14 @@ def cli_cases(cli: str, argvs: list[list], timeout: float = 120) -> list[dict]:
     return json.loads(result.stdout)
 
 
+def without_mpi4py(folder: Path) -> str:
+    """A folder to put first on PYTHONPATH where importing mpi4py must fail (a machine without MPI)."""
+    blocker = folder / "no-mpi" / "mpi4py"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('mpi4py is blocked: this run is without MPI')\n")
+    return str(blocker.parent)
+
+
 @pytest.fixture(name="run_mpi")
 def _run_mpi_fixture():
     """The ``run_mpi`` function, as a fixture."""

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import without_mpi4py
+
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
 HELLO = REPO / "tests" / "distributed" / "slurm_hello.py"
@@ -108,10 +110,7 @@ def test_job_script_trains(script: str, tmp_path: Path) -> None:
     # resnet18 in place of each script's model: what is under test is the script's launch.
     env, done = _trainer()
     if script == "torch-launch.sbatch":  # launched without MPI: prove that no rank loads it
-        blocker = tmp_path / "no-mpi" / "mpi4py"
-        blocker.mkdir(parents=True)
-        (blocker / "__init__.py").write_text("raise ImportError('mpi4py is blocked: this job runs without MPI')\n")
-        env["PYTHONPATH"] = str(blocker.parent)
+        env["PYTHONPATH"] = without_mpi4py(tmp_path)
     job = submit(script, tmp_path, {**TINY, **env})
     info = wait(job, tmp_path)
     log = output(tmp_path)

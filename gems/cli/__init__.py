@@ -90,7 +90,7 @@ def dataclass_parser(prog: str, description: str, config: type) -> argparse.Argu
             p.add_argument(flag, action=_Collect, default=default, metavar=f.metadata.get("metavar"),
                            help=f.metadata["help"] + " (repeatable)")
             continue
-        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        base = configfile.value_type(kind)
         p.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"])
     return p

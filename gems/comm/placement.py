@@ -81,10 +81,11 @@ def placement_by_store(store: Any, rank: int, size: int, device: torch.device,
     everyone = [json.loads(store.get(f"gems/placement/seen/{r}")) for r in range(size)]
     local = [r for r, (name, _) in enumerate(everyone) if name == host]
     node = [tuple(everyone[r][1]) for r in local]
-    device, problem = _decide(device, local.index(rank), node, allow_shared_gpu, host)
+    local_rank = local.index(rank)
+    device, problem = _decide(device, local_rank, node, allow_shared_gpu, host)
     store.set(f"gems/placement/problem/{rank}", json.dumps(problem))
     problems = [json.loads(store.get(f"gems/placement/problem/{r}")) for r in range(size)]
-    return rank, size, local.index(rank), len(local), _placed(device, problems)
+    return rank, size, local_rank, len(local), _placed(device, problems)
 
 
 def _seen(device: torch.device) -> tuple[int, dict[str, str]]:

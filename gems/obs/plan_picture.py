@@ -43,7 +43,8 @@ def memory_parts(plan) -> list[dict[str, int]]:
 def step_timelines(plan) -> list[RankTimeline]:
     """The simulator's one step of the plan, per position of group 0, as timelines ``draw_timelines``
     reads: a wait for a message becomes the receive's slice, as the engine records it."""
-    result = simulate_plan(plan, device_flops=plan.flops_per_second or 1e12, efficiency=1.0)
+    rate = plan.flops_per_second   # sustained already; a plan of measured times has none: the default device
+    result = simulate_plan(plan, device_flops=rate, efficiency=1.0) if rate else simulate_plan(plan)
     return [RankTimeline(p, 0, p, [StepTimeline(1, 0.0, [(label.removeprefix("wait "), a, b)
                                                          for a, b, label in spans])])
             for p, spans in enumerate(result.timeline)]

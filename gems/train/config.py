@@ -217,7 +217,10 @@ class TrainConfig:
             require_tensorboard()
         if self.trace_png or self.plan_png:
             from gems.obs.trace import require_matplotlib  # noqa: PLC0415
-            require_matplotlib(*(("--trace-png",) if self.trace_png else ("--plan-png", "a plan")))
+            if self.trace_png:
+                require_matplotlib("--trace-png")
+            if self.plan_png:
+                require_matplotlib("--plan-png", "a plan")
 
     def _validate_task(self) -> None:
         if self.val_every < 0 or (self.val_batch_size is not None and self.val_batch_size < 1):

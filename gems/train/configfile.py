@@ -33,7 +33,7 @@ else:  # pragma: no cover - the install asks for tomli there
     import tomli as tomllib
 
 
-def _kind(hint: Any) -> Any:
+def value_type(hint: Any) -> Any:
     """The option's value type without ``| None``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return next(t for t in typing.get_args(hint) if t is not type(None))
@@ -42,7 +42,7 @@ def _kind(hint: Any) -> Any:
 
 def _convert(key: str, value: Any, hint: Any, choices: Any, where: str) -> Any:
     """``value`` as the option's type, or a GemsError naming the key and what it should be."""
-    kind = _kind(hint)
+    kind = value_type(hint)
     if typing.get_origin(kind) is tuple:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
