@@ -15,6 +15,12 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
    against the estimate for each); a U-Net segmentation under mast with a tile group at each end
    (four ranks).
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
+4. The speed recipe on one rank (gems-bench, resnet50 2048² batch 2, K=1): the default (NCHW, fp32
+   with TF32 convolutions, eager) and the full recipe (bf16 autocast, channels_last, cuDNN benchmark,
+   compiled units), each under gems and as the plain PyTorch loop with the same recipe, with the
+   memory estimate against ``max_memory_allocated``.
+
+``--parts`` runs some parts by name (``PARTS``), e.g. ``--parts recipe-default,recipe-full``.
 
 The report (Markdown, and JSON beside it) holds what each part measured, copied from the real
 output: images/s, per-rank peak memory measured vs estimated, bubble, offload overlap. Exit
@@ -37,6 +43,11 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 LAYOUT = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", "--batch-size", "2",
           "--stages", "2"]
+# The parts by name, in the order they run (--parts picks some).
+PARTS = ("tests", "recipe-default", "recipe-full", "train-mast", "bench-mast", "spatial", "policies", "unet", "nccl")
+# The speed recipes of part 4: gems-bench's flags for each.
+RECIPES = {"recipe-default": ["--no-channels-last", "--amp", "none"],
+           "recipe-full": ["--channels-last", "--amp", "bf16", "--cudnn-benchmark", "--compile"]}
 
 
 def importable_gems(work: Path) -> tuple[dict, Path]:
@@ -128,49 +139,69 @@ def train_summary(stdout: str) -> dict:
             "memory": [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in ranks]}
 
 
-def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done) -> list[dict]:
-    """Each part run in turn; ``done(parts)`` after each, so a report exists if a later one hangs."""
+def bench_figures(bench: dict, bench_json: Path) -> dict:
+    """``bench`` with gems-bench's JSON figures: the reference and each schedule's images/s and memory."""
+    if bench_json.exists():
+        result = json.loads(bench_json.read_text())
+        ref = result.get("reference") or {}
+        bench["reference"] = {k: ref.get(k) for k in ("images_per_s", "step_time", "peak_memory",
+                                                      "plan_memory")} if ref else None
+        bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory",
+                                                "plan_memory", "efficiency")} for r in result["schedules"].values()]
+        bench["recipe"] = result.get("recipe")
+    return bench
+
+
+def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done, wanted=PARTS) -> list[dict]:
+    """Each part of ``wanted`` run in turn; ``done(parts)`` after each, so a report exists if a later one hangs."""
     parts: list[dict] = []
 
     def add(part: dict) -> None:
         parts.append(part)
         done(parts)
 
+    for name, flags in RECIPES.items():   # first: the shortest, and the ones a session asks for by name
+        if name in wanted:
+            bench_json = work / f"{name}.json"
+            bench = run([mpiexec, "-n", "1", *command("gems-bench"), *LAYOUT[:-1], "1", "--schedules", "mp",
+                         "--steps", "5", "--warmup", "2", *flags, "--json", str(bench_json)], timeout=timeout)
+            add({"part": f"{name}: gems-bench resnet50 2048² b2 K=1 on one GPU ({' '.join(flags)}), gems and the "
+                         "plain loop with the same recipe", **bench_figures(bench, bench_json)})
+
     shared = ["--allow-shared-gpu", "--workers", "0", "--no-progress"]
-    train = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
-                 *shared], timeout=timeout)
-    add({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
-    bench_json = work / "bench.json"
-    bench = run([mpiexec, "-n", "2", *command("gems-bench"), *LAYOUT, "--schedules", "mast", "--steps", "5",
-                 "--warmup", "2", "--allow-shared-gpu", "--json", str(bench_json)], timeout=timeout)
-    if bench_json.exists():
-        result = json.loads(bench_json.read_text())
-        rows = result["schedules"].values()
-        ref = result.get("reference") or {}
-        bench["reference"] = {k: ref.get(k) for k in ("images_per_s", "step_time", "peak_memory")} if ref else None
-        bench["runs"] = [{k: r.get(k) for k in ("schedule", "images_per_s", "bubble", "step_time", "peak_memory")}
-                         for r in rows]
-    add({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench})
-    spatial = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT[:-1], "1", "--schedule", "mp", "--spatial",
-                   "2", "--steps", "4", *shared], timeout=timeout)
-    add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
-         **train_summary(spatial["stdout"])})
+    if "train-mast" in wanted:
+        train = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
+                     *shared], timeout=timeout)
+        add({"part": "gems-train mast K=2, two ranks on one GPU (MPI)", **train, **train_summary(train["stdout"])})
+    if "bench-mast" in wanted:
+        bench_json = work / "bench.json"
+        bench = run([mpiexec, "-n", "2", *command("gems-bench"), *LAYOUT, "--schedules", "mast", "--steps", "5",
+                     "--warmup", "2", "--allow-shared-gpu", "--json", str(bench_json)], timeout=timeout)
+        add({"part": "gems-bench mast K=2, two ranks on one GPU (MPI)", **bench_figures(bench, bench_json)})
+    if "spatial" in wanted:
+        spatial = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT[:-1], "1", "--schedule", "mp", "--spatial",
+                       "2", "--steps", "4", *shared], timeout=timeout)
+        add({"part": "gems-train K=1 --spatial 2 (tiles of each image), two ranks on one GPU (MPI)", **spatial,
+             **train_summary(spatial["stdout"])})
     # each memory policy alone, then all together: the estimate against CUDA's allocator for each
     for name, flags in (("split backward", ["--split-backward", "on"]), ("sharded optimizer", ["--shard-optimizer"]),
                         ("recompute everywhere", ["--recompute", "all"]), ("offload everywhere", ["--offload", "all"]),
                         ("all four", ["--split-backward", "on", "--shard-optimizer", "--recompute", "all",
                                       "--offload", "all"])):
+        if "policies" not in wanted:
+            break
         policies = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
                         "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
                         "--micro-batches", "2", *flags, "--steps", "3", *shared], timeout=timeout)
         add({"part": f"gems-train resnet50 1024² mast K=2 m=2, {name}, two ranks on one GPU (MPI)", **policies,
              **train_summary(policies["stdout"])})
-    unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
-                "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial", "2",
-                "--steps", "4", *shared], timeout=timeout)
-    add({"part": "gems-train U-Net segmentation, mast K=2 with --spatial 2 (tile groups at both ends), four ranks "
-                 "on one GPU (MPI)", **unet, **train_summary(unet["stdout"])})
-    if gpus >= 2:
+    if "unet" in wanted:
+        unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
+                    "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial",
+                    "2", "--steps", "4", *shared], timeout=timeout)
+        add({"part": "gems-train U-Net segmentation, mast K=2 with --spatial 2 (tile groups at both ends), four "
+                     "ranks on one GPU (MPI)", **unet, **train_summary(unet["stdout"])})
+    if gpus >= 2 and "nccl" in wanted:
         nccl = run([mpiexec, "-n", "2", *command("gems-train"), *LAYOUT, "--schedule", "mast", "--steps", "6",
                     "--comm", "torch", "--workers", "0", "--no-progress"], timeout=timeout)
         add({"part": "gems-train mast K=2 over NCCL, one GPU per rank", **nccl, **train_summary(nccl["stdout"])})
@@ -194,15 +225,25 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
             off = abs(float(mem["error"].rstrip("%"))) > 10   # the planner's promise: within 10%
             lines.append(f"- rank {mem['rank']}: {mem['measured']} measured, {mem['estimated']} estimated "
                          f"({mem['error']})" + (" **estimate off by more than 10%**" if off else ""))
+        if part.get("recipe"):
+            lines.append(f"- recipe: {part['recipe']}")
         for r in part.get("runs", []):
-            lines.append(f"- {r['schedule']}: {r['images_per_s']} images/s, bubble {r['bubble']}")
+            lines.append(f"- {r['schedule']}: {r['images_per_s']} images/s, bubble {r['bubble']}, efficiency "
+                         f"{r.get('efficiency')}" + _memory(r.get("peak_memory"), r.get("plan_memory")))
         if part.get("reference"):
             ref = part["reference"]
             lines.append(f"- plain PyTorch loop (one rank, whole model): {ref['images_per_s']:.3f} images/s, "
-                         f"step {ref['step_time'] * 1e3:.1f} ms, peak {ref['peak_memory'] / 2**30:.2f} GiB")
+                         f"step {ref['step_time'] * 1e3:.1f} ms" + _memory([ref["peak_memory"]], [ref.get("plan_memory")]))
         if part["code"] != 0:
             lines += ["", "```", part["stdout"][-3000:], part["stderr"][-2000:], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _memory(measured: list | None, estimated: list | None) -> str:
+    """", memory 12.3 GiB measured / 12.0 GiB estimated (-2.4%)" per rank, when both are known."""
+    pairs = [(m, e) for m, e in zip(measured or [], estimated or []) if m and e]
+    return "".join(f", memory {m / 2**30:.2f} GiB measured / {e / 2**30:.2f} GiB estimated ({e / m - 1:+.1%})"
+                   for m, e in pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800,
                    help="seconds each part (the tests, each launch) may run before it is stopped and reported "
                         "as 'timeout' (default 1800)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)")
     args = p.parse_args(argv)
+    wanted = [name.strip() for name in args.parts.split(",") if name.strip()]
+    if not wanted or set(wanted) - set(PARTS):
+        print(f"gpu-check: --parts takes names of {','.join(PARTS)}, got {args.parts!r}", file=sys.stderr)
+        return 2
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
@@ -233,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         env, CHILD_CWD = importable_gems(work)
         os.environ.update(env)   # the children inherit it
         info = environment()
-        tests = gpu_tests(work / "figures.jsonl", args.timeout)
+        tests = gpu_tests(work / "figures.jsonl", args.timeout) if "tests" in wanted else {
+            "command": "(not asked for)", "summary": "skipped", "code": 0, "seconds": 0, "stdout": "", "stderr": ""}
         write(info, tests, [])
         mpiexec = info["mpiexec"] if not str(info["mpi"]).startswith("unavailable") else None
         parts = pipelines(mpiexec, torch.cuda.device_count(), work, args.timeout,
-                          lambda parts: write(info, tests, parts)) if mpiexec else [
+                          lambda parts: write(info, tests, parts), wanted) if mpiexec else [
             {"part": "gems-train / gems-bench", "command": "(skipped)", "code": "no MPI", "seconds": 0,
              "stdout": "", "stderr": f"mpi4py has no MPI library here ({info['mpi']}); see README 'GPU check'"}]
         write(info, tests, parts, echo=not mpiexec)   # each launched part was printed as it ended

@@ -19,7 +19,8 @@ Modules, in the order of the flow (each imports only from its own step or earlie
 * assemble: ``planner`` (``plan()``: validation and building the Plan), ``backward`` (with
   ``split_backward`` None: the plan with the backward split or without, whichever is faster and fits).
 
-Besides: ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
+Besides: ``sweep`` (every layout on a number of ranks planned and ranked, tile groups included:
+``gems-plan --sweep``), ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
 real CPU runs), ``calibrate`` (this device's sustained FLOP/s and host link, for
 ``gems-plan --calibrate``), ``overhead`` (what a rank holds on a GPU besides tensors). The Plan dataclasses and their JSON live in ``gems.plan``.
 

@@ -20,6 +20,7 @@ up to 40% of a sub-MiB stage; where that operand is a large weight (deep ResNet 
 im2col reorders no weight and the allowance is a weight copy too high.
 
     GEMS_ACCURACY_SIZE=160 python -m gems.partition.accuracy     # other image size (default 64)
+    GEMS_ACCURACY_FORMAT=channels_last python -m gems.partition.accuracy   # NHWC (default contiguous)
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from gems.obs.memory import PeakMeter
+from gems.plan import formats
 
 from .profile import profile
 from .records import ModelProfile
@@ -83,12 +85,14 @@ class Comparison:
 
 
 def compare(model: nn.Sequential, input_shape: Sequence[int], batch: int, cuts: Sequence[tuple[int, int]],
-            name: str = "model", prof: ModelProfile | None = None) -> list[Comparison]:
-    """Estimated vs real bytes for each stage (lo, hi) of ``model`` (see module docstring)."""
-    prof = prof or profile(model, input_shape, batch)
-    model.train()
+            name: str = "model", prof: ModelProfile | None = None,
+            memory_format: str = "contiguous") -> list[Comparison]:
+    """Estimated vs real bytes for each stage (lo, hi) of ``model`` (see module docstring), its
+    tensors in ``memory_format`` (the real run's and the profile's)."""
+    prof = prof or profile(model, input_shape, batch, memory_format=memory_format)
+    formats.convert(model.train(), memory_format)
     torch.manual_seed(0)
-    x = torch.randn(batch, *input_shape)
+    x = torch.randn(batch, *input_shape).contiguous(memory_format=formats.of_name(memory_format))
     inputs = [x]
     with torch.no_grad():   # real inputs of every unit, without keeping graphs
         for unit in model:
@@ -176,14 +180,15 @@ def main() -> None:
     from gems.models import build
 
     size, batch = int(os.environ.get("GEMS_ACCURACY_SIZE", 64)), 2
+    memory_format = os.environ.get("GEMS_ACCURACY_FORMAT", "contiguous")
     models = [("toy", toy_model()), ("resnet18", build("resnet18", num_classes=10)),
               ("preact-resnet29", build("preact-resnet", depth=29, num_classes=10)),
               ("amoebanet-d(3,16)", build("amoebanet-d", num_classes=10, num_layers=3, num_filters=16))]
-    print(f"estimate / real at {batch}x3x{size}x{size}, float32, CPU (ratio 1.000 = exact)")
+    print(f"estimate / real at {batch}x3x{size}x{size}, float32, {memory_format}, CPU (ratio 1.000 = exact)")
     print(f"{'model':20s} {'stage':>9s} {'params':>7s} {'activations (est, real MiB)':>30s} "
           f"{'peak over params+grads (est, real MiB)':>41s}")
     for name, model in models:
-        for c in compare(model, (3, size, size), batch, random_cuts(len(model), 3), name):
+        for c in compare(model, (3, size, size), batch, random_cuts(len(model), 3), name, None, memory_format):
             act, peak = c.activations, c.peak
             print(f"{name:20s} {f'[{c.lo},{c.hi})':>9s} {_ratio(c.params):>7s} "
                   f"{_ratio(act):>7s} ({act[0] / 2**20:7.2f}, {act[1] / 2**20:7.2f}) "

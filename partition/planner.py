@@ -31,9 +31,9 @@ from gems.errors import GemsError
 from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
 from gems.pipeline.routes import Routes
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.plan import formats
 from gems.schedule import generators as schedules
 from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
-from gems.spatial.limit import spatial_limit
 from gems.units import format_size, parse_size
 from .backward import choose, predicted_step, split_mode
 from .budget import relax, smallest_fitting
@@ -48,7 +48,7 @@ from .records import ModelProfile
 from .cuts import balanced_cuts
 from .solver import cuts_from_balance
 from .request import dtype_of, input_shape_of, positive_int
-from .spatial import AUTO_TILES, Suffixes, Tiling, member_peaks, parse_spatial, search, tiled_profile, tiled_times
+from .spatial import AUTO_TILES, Tiling, member_peaks, parse_spatial, reaches, search, tiled_profile, tiled_times
 
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
@@ -64,7 +64,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          comm: str | None = None, split_points: Sequence[str] | None = None,
          leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool | str | None = False,
          shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
-         spatial_end: int | None = None, spatial_start: int | None = None) -> Plan:
+         spatial_end: int | None = None, spatial_start: int | None = None, memory_format: str = "contiguous",
+         compile: bool = False) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -82,7 +83,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     "cpu") is where stages run: offloading from a CPU device to host memory saves nothing.
     ``host_bandwidth`` (bytes/s or "12GB/s") prices offloading; FLOPs become seconds at
     ``device_flops`` x ``efficiency``. ``profiles``: a dict the caller keeps to plan one model
-    several times (a sweep), so each micro-batch size is profiled once. ``amp`` "bf16" prices
+    several times (a sweep), so each micro-batch size is profiled (and its reach found) once. ``amp`` "bf16" prices
     activations as forwards under ``torch.autocast(dtype=torch.bfloat16)`` keep them
     (``gems.partition.profile``). ``comm`` ("mpi" or "torch", the transport the job will use)
     adds, on device "cuda", what every rank holds besides tensors (``Plan.device_overhead``:
@@ -96,6 +97,12 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     pipeline of K >= 2 only from a given start: its last position becomes a tile group too).
     ``split_backward``: True ("on") splits each backward into input- and weight-gradient actions,
     None ("auto") plans with and without and keeps the faster that fits (``gems.partition.backward``).
+    ``compile``: the stages' units will run compiled (``gems.pipeline.compiled``; ``Plan.compiled``): a
+    compiled unit's backward is one autograd node, so the backward is never split (auto plans unsplit,
+    True is refused).
+    ``memory_format`` ("contiguous" or "channels_last", ``gems.plan.formats``): how the stages will lay
+    out their 4-D tensors, which the profile runs in (kernels take different scratch memory); a model
+    without 4-D parameters stays contiguous, with a note.
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -107,6 +114,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     batch_size = positive_int(batch_size, "the batch size")
     schedules.check(schedule, K, m)
     split_backward = split_mode(split_backward)
+    if compile and split_backward:
+        raise GemsError("a compiled unit's backward is one autograd node, which the split backward cannot split: "
+                        "drop --split-backward (or --compile)")
+    unsplit_auto, split_backward = (split_backward is None, False) if compile else (False, split_backward)
     if balance_by not in BALANCE_BY:
         raise GemsError(f"cannot balance by {balance_by!r}: choose one of {', '.join(BALANCE_BY)}")
     if optimizer not in OPTIMIZER_STATE:
@@ -163,10 +174,17 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     if unit_times is not None and (len(unit_times) != n or any(not t >= 0 for t in unit_times)):
         raise GemsError(f"unit_times must give one non-negative time per unit ({n} values)")
 
-    key = (batch_size // parts, shape, torch_dtype, optimizer, amp)
+    memory_format = formats.name_of(memory_format)
+    format_note = memory_format == "channels_last" and not formats.takes_format(model)
+    memory_format = "contiguous" if format_note else memory_format
+    # oneDNN's scratch memory differs by format (measured: ``python -m gems.partition.accuracy``); cuDNN's
+    # workspace is priced as measured in NCHW on a GPU whatever the format, until measured in NHWC there
+    profiled_format = memory_format if device == "cpu" else "contiguous"
+    key = (batch_size // parts, shape, torch_dtype, optimizer, amp, profiled_format)
     profiles = {} if profiles is None else profiles
     if key not in profiles:
-        profiles[key] = profile(model, shape, batch_size // parts, torch_dtype, optimizer, name, AMP[amp])
+        profiles[key] = profile(model, shape, batch_size // parts, torch_dtype, optimizer, name, AMP[amp],
+                                profiled_format)
     prof = profiles[key]
     rate = float(device_flops * efficiency)
     sharers = groups * sum(0 in schedules.holds(schedule, K, p) for p in range(K)) if shard_optimizer else 1
@@ -206,11 +224,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         result = solved(plain, split) if request in (None, "auto") else None
         why = ""   # for the error when nothing fits
         if request is not None and (result is None or (budget is not None and not result.fits)):
-            reach = spatial_limit(list(model), [u.name for u in prof.units], (batch_size // parts, *shape))
+            reach, tail = reaches(profiles, list(model), prof, (batch_size // parts, *shape), K, spatial_start,
+                                  suffixes and spatial_start != 0)   # kept with the profiles: once per size
             why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
                    f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
-            tail = Suffixes(list(model), [u.name for u in prof.units], (batch_size // parts, *shape), K,
-                            spatial_start, prof) if suffixes and spatial_start != 0 else None
             tiled = search(lambda tiles: solved(job(tiles), split), reach, request, spatial_end, prof, K, cuts, tail)
             if tiled is not None and result is not None:
                 tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
@@ -230,6 +247,14 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
                             "(the estimates count no saving)")
     result.leaf_modules = leaves   # the engine traces the model the same way
     result.shard_optimizer = shard_optimizer
+    result.compiled = bool(compile)
+    if unsplit_auto:
+        result.notes.append("backward not split (--split-backward auto): a compiled unit's backward is one "
+                            "autograd node (--compile)")
+    result.memory_format = memory_format
+    if format_note:
+        result.notes.append(f"channels_last asked for, but {name} has no 4-D parameters for it to change: its stages "
+                            "run in the default (contiguous) format")
     return result
 
 

@@ -50,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
 from gems.graph import READS, input_error
+from gems.plan import formats
 from .records import ModelProfile, Storage, UnitProfile
 from .tracking import Allocations, Precision, StorageKeys, WeightedOutputs, storage_bytes, tensor_bytes
 
@@ -59,14 +60,16 @@ OPTIMIZER_STATE = {"sgd": 1, "sgd-nomomentum": 0, "adam": 2, "adamw": 2}
 
 def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: int,
             dtype: torch.dtype = torch.float32, optimizer: str = "sgd",
-            model_name: str | None = None, autocast: torch.dtype | None = None) -> ModelProfile:
+            model_name: str | None = None, autocast: torch.dtype | None = None,
+            memory_format: str = "contiguous") -> ModelProfile:
     """Profile ``model`` (an nn.Sequential of units) on a fake micro-batch of
     ``micro_batch_size`` samples of ``input_shape`` (per sample, e.g. (3, 2048, 2048)).
 
     Parameters and buffers are faked too (in ``dtype`` when floating point), so neither the
     input nor the weights are allocated; the model may even live on the meta device.
     ``autocast``: price activations as forwards under ``torch.autocast`` to this dtype keep
-    them (module docstring).
+    them (module docstring). ``memory_format``: the layout of 4-D parameters and of the input
+    (``gems.plan.formats``); activations follow them as in the real run.
     Raises GemsError when the model cannot take the input (e.g. an image too small).
     """
     if optimizer not in OPTIMIZER_STATE:
@@ -81,7 +84,7 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
             u.train()  # profile what training keeps: BatchNorm in batch-statistics mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _Run(units, names, tuple(input_shape), micro_batch_size, dtype, optimizer,
-                        model_name or "the model", autocast).result()
+                        model_name or "the model", autocast, memory_format).result()
     finally:
         for m, was_training in training.items():
             m.training = was_training
@@ -91,13 +94,15 @@ class _Run:
     """One fake forward and backward of all units (call inside FakeTensorMode)."""
 
     def __init__(self, units: list[nn.Module], names: list[str], input_shape: tuple[int, ...], batch: int,
-                 dtype: torch.dtype, optimizer: str, model_name: str, autocast: torch.dtype | None) -> None:
+                 dtype: torch.dtype, optimizer: str, model_name: str, autocast: torch.dtype | None,
+                 memory_format: str = "contiguous") -> None:
         self.units, self.names, self.batch = units, names, batch
         self.input_shape, self.dtype, self.optimizer, self.model_name = input_shape, dtype, optimizer, model_name
+        self.format = formats.of_name(memory_format)
         self.keys = StorageKeys()
         self.allocations = Allocations()
         self.flops = FlopCounterMode(display=False)
-        self.params, self.buffers = zip(*(_fake_state(u, dtype) for u in units))
+        self.params, self.buffers = zip(*(_fake_state(u, dtype, self.format) for u in units))
         self.allocations.static = {id(t.untyped_storage()) for state in (*self.params, *self.buffers)
                                    for t in state.values()}
         self.static = {self.keys(t) for state in (*self.params, *self.buffers) for t in state.values()}
@@ -116,7 +121,8 @@ class _Run:
         return t
 
     def result(self) -> ModelProfile:
-        x = torch.empty((self.batch, *self.input_shape), dtype=self.dtype)
+        x = torch.empty((self.batch, *self.input_shape), dtype=self.dtype,
+                        memory_format=self.format if len(self.input_shape) == 3 else torch.contiguous_format)
         n = len(self.units)
         boundaries = [_as_tuple(x, "the input")]   # boundaries[b + 1] = output of unit b
         leaves, fwd_flops, fwd_working, eval_working, captured = [], [], [], [], []
@@ -266,10 +272,12 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _fake_state(unit: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Fake parameters and buffers of one unit, by shape (the real ones are never read)."""
+def _fake_state(unit: nn.Module, dtype: torch.dtype, fmt: torch.memory_format = torch.contiguous_format
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Fake parameters and buffers of one unit, by shape (the real ones are never read); 4-D ones in ``fmt``."""
     def fake(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                           memory_format=fmt if t.dim() == 4 else torch.contiguous_format)
     params = {name: fake(p).requires_grad_(p.requires_grad) for name, p in unit.named_parameters()}
     buffers = {name: fake(b) for name, b in unit.named_buffers()}
     return params, buffers

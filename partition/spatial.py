@@ -40,7 +40,7 @@ from gems.errors import GemsError
 from gems.plan import Plan
 from gems.schedule.simulate import V100_CLUSTER
 from gems.spatial.geometry import grids
-from gems.spatial.limit import Reach, sizes_of, suffix_limit
+from gems.spatial.limit import Reach, sizes_of, spatial_limit, suffix_limit
 from gems.spatial.stage import check_grid
 from .costs import CostModel, highest
 from .policy import PolicyModel
@@ -231,6 +231,21 @@ class Suffixes:
         spaced = {round(lo + i * (n - 1 - lo) / (self.count - 1)) for i in range(self.count)}
         cheap = sorted(range(lo, n), key=lambda b: (self.boundary[b], b))[:self.count // 2]
         return [r for r in (self.reach(b) for b in sorted(spaced | set(cheap))) if r is not None]
+
+
+def reaches(found: dict, units: Sequence, prof: ModelProfile, image: Sequence[int], stages: int,
+            start: int | None, suffixes: bool) -> tuple[Reach, Suffixes | None]:
+    """The Reach of ``units`` from an image batch of ``image`` and, with ``suffixes``, the ``Suffixes``
+    worth pricing behind it (from ``start`` when given) on ``stages`` stages. Kept in ``found`` (a
+    planner's profiles dict, so for one model): a sweep makes their fake passes once per micro-batch
+    size, not once per plan."""
+    image, names = tuple(image), [u.name for u in prof.units]
+    if ("reach", image) not in found:
+        found["reach", image] = spatial_limit(units, names, image)
+    key = ("suffixes", id(prof), stages, start)   # prof: one of ``found``'s own profiles, kept alive there
+    if suffixes and key not in found:
+        found[key] = Suffixes(units, names, image, stages, start, prof)
+    return found["reach", image], found[key] if suffixes else None
 
 
 def search(solve: Callable[[Tiling], Plan], reach: Reach, request: int | tuple[int, int] | str, end: int | None,

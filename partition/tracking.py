@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from gems.plan import formats
+
 
 class StorageKeys:
     """Stable keys for storages (views share a key); ``alias`` makes a copy count as its original."""
@@ -63,6 +65,10 @@ def blocked_bytes(t: torch.Tensor) -> int:
 def scratch_bytes(name: str, args: tuple, operands: Sequence[torch.Tensor]) -> int:
     """Scratch memory allowed to one call of the workspace op ``name`` (see ``WORKSPACE_OPS``)."""
     largest = max((tensor_bytes(t) for t in operands), default=0)
+    if any(t.dim() == 4 and formats.format_of(t) is torch.channels_last for t in operands):
+        if name == "convolution_backward" and args[10][1]:
+            return 2 * tensor_bytes(args[2])
+        return 0
     if name == "convolution_backward":
         grad_output, x, weight, groups, mask = args[0], args[1], args[2], args[9], args[10]
         if mask[0] and groups == 1 and any(k > 1 for k in weight.shape[2:]):

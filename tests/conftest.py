@@ -189,7 +189,7 @@ def one_torch_thread():
 LONGEST_FILES = ("test_spatial_engine.py", "test_equivalence.py", "test_train.py", "test_tasks.py", "test_comm.py",
                  "test_any_model.py", "test_partition_spatial.py", "test_out_of_core.py", "test_oom.py",
                  "test_engine.py", "test_handshake.py", "test_cli_plan.py", "test_spatial.py", "test_launchers.py",
-                 "test_checkpoint_safety.py", "test_bench.py")
+                 "test_checkpoint_safety.py", "test_bench.py", "test_compile.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -91,7 +91,7 @@ _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partiti
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
               batch: int | None = None, split: bool | None = False, shard: bool = False,
-              order: str = "") -> partition.Plan:
+              order: str = "", memory_format: str = "contiguous") -> partition.Plan:
     """The plan of ``build(kind)`` for this layout, every stage under ``policy`` (and the schedule
     search's ``order`` when given). Profiles with fake tensors (each micro-batch size once per
     kind): call it in the main thread."""
@@ -101,6 +101,7 @@ def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE
                           profiles=_PROFILES.setdefault((kind, side), {}))
     plan.policies = policies(policy, plan.cuts)
     plan.order = order or plan.order
+    plan.memory_format = memory_format
     return plan
 
 
@@ -174,6 +175,7 @@ class Result:
     grad_norm: float | None
     steps: int
     computed: list[tuple[str, int, int, int]]   # this rank's compute actions in order (op, replica, micro, stage)
+    channels_last: list[bool] = None   # per 4-D parameter this rank holds: it and its gradient are NHWC
 
 
 def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: int = SIDE,
@@ -195,7 +197,10 @@ def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: 
                   offloaded=sum(o.bytes for o in offloads), fetched_back=not any(o.saved for o in offloads),
                   waiting=[plan.cuts[a.stage + 1] - plan.cuts[a.stage] for a in sch.waiting_forwards(engine.actions)],
                   applied=applied, grad_norm=engine.last_grad_norm, steps=len(indices),
-                  computed=[(a.op, a.replica, a.micro, a.stage) for a in engine.actions if a.op in sch.COMPUTE])
+                  computed=[(a.op, a.replica, a.micro, a.stage) for a in engine.actions if a.op in sch.COMPUTE],
+                  channels_last=[p.is_contiguous(memory_format=torch.channels_last) and p.grad is not None
+                                 and p.grad.is_contiguous(memory_format=torch.channels_last)
+                                 for s in engine.stages.values() for p in s.parameters() if p.dim() == 4])
 
 
 # ---------------------------------------------------------------- comparisons
@@ -251,14 +256,16 @@ def check_copies(where: str, state: dict[str, torch.Tensor], copies: list[dict[s
 
 # ---------------------------------------------------------------- drivers
 def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
-        clip: float | None = None, side: int = SIDE, policy: str = "none") -> str:
+        clip: float | None = None, side: int = SIDE, policy: str = "none", memory_format: str = "contiguous") -> str:
     """One rank of an mpiexec launch: train, check, and return the "ok ..." line (raises
     Mismatch otherwise). COLLECTIVE."""
     D = comm.size // K
-    plan = make_plan(kind, schedule, K, m, D, side, policy)
+    plan = make_plan(kind, schedule, K, m, D, side, policy, memory_format=memory_format)
     result = train(comm, build(kind), plan, steps, side, clip)
-    where = describe(kind, schedule, K, D, m, clip, policy)
+    where = describe(kind, schedule, K, D, m, clip, policy) + (f" {memory_format}" if memory_format != "contiguous" else "")
     check_calls(where, result)
+    if memory_format == "channels_last" and not (result.channels_last and all(result.channels_last)):
+        raise Mismatch(f"{where}: rank {comm.rank}'s 4-D parameters or gradients left channels_last")
     moved = sum(comm.allgather_object(result.offloaded))
     if policy != "none":
         where += f" ({sum(result.calls)} unit forwards on rank {comm.rank}, {moved} B offloaded)"
@@ -273,10 +280,11 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
 
 def per_rank(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE,
              policy: str = "none", split: bool | None = False, shard: bool = False,
-             order: str = "") -> tuple[list[nn.Sequential], list[partition.Plan]]:
+             order: str = "", memory_format: str = "contiguous") -> tuple[list[nn.Sequential], list[partition.Plan]]:
     """For each of the K x D loopback ranks, its own copy of ``build(kind)`` and of the plan,
     made here in the calling (main) thread: rank r trains ``copies[r]`` under ``plans[r]``."""
-    model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard, order=order)
+    model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard, order=order,
+                                               memory_format=memory_format)
     return [copy.deepcopy(model) for _ in range(K * D)], [copy.deepcopy(plan) for _ in range(K * D)]
 
 
@@ -287,12 +295,12 @@ def _rank(comm, models_: list[nn.Sequential], plans: list, steps, side: int, cli
 def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | tuple[int, ...] = 3,
                  rtol: float = 1e-5, clip: float | None = None, side: int = SIDE, policy: str = "none",
                  semantics: str = "mpi", timeout: float = 20.0, split: bool | None = False,
-                 shard: bool = False, order: str = "") -> list[Result]:
+                 shard: bool = False, order: str = "", memory_format: str = "contiguous") -> list[Result]:
     """Train on K x D loopback ranks (threads) and check, as ``run`` does: the recompute rule on
     every rank; every copy identical ("batchnorm"), else the reference's state and losses
     (rank 0's, and every rank reports the same losses). Returns every rank's Result; raises
     Mismatch, or what a rank raised (loopback.Deadlock when the ranks cannot progress)."""
-    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order)
+    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order, memory_format)
     results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, semantics=semantics, timeout=timeout)
     chosen = "auto, " * (split is None) + ("split backward" if plans[0].split_backward else "not split")
     where = describe(kind, schedule, K, D, m, clip, policy) + f" ({semantics}, {chosen})"

@@ -183,3 +183,14 @@ def test_split_backward_auto_is_chosen_per_schedule_and_reported(one_torch_threa
     assert chosen == planned and any(chosen.values()), chosen
     split = ", ".join(name for name, s in chosen.items() if s)
     assert f"; backward split where the planner predicts it faster (auto): {split}" in bench_report.table(report)
+
+
+def test_the_reference_runs_the_schedules_recipe(one_torch_thread):
+    """--channels-last --amp bf16: the schedules and the plain loop both run NHWC under bf16 autocast,
+    and the header says so."""
+    cfg = BenchConfig(model=TINY, image_size=16, batch_size=2, schedules="mp", steps=1, warmup=0,
+                      channels_last=True, amp="bf16")
+    report = loopback.run(1, lambda comm: bench.run(cfg, comm))[0]
+    assert report["recipe"] == "channels_last, bf16 autocast, eager"
+    assert "recipe (schedules and reference): channels_last, bf16 autocast, eager" in bench_report.table(report)
+    assert math.isfinite(report["schedules"]["mp"]["step_time"]) and report["reference"]["images_per_s"] > 0

@@ -164,15 +164,19 @@ def test_sweep_recommends_the_fastest_configuration_that_fits(capsys):
     base = ["--model", "resnet18", "--num-classes", "10", "--image-size", "128", "--batch-size", "8"]
     assert main(base + ["--sweep", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
+    # schedule K m P D ranks step images/s peak unit policies
     rows = [line.split() for line in out[3:] if line.split()[0] in ("mp", "gpipe", "1f1b", "mast")]
-    rates = [float(r[5]) for r in rows]
+    rates = [float(r[7]) for r in rows]
     assert rows and rates == sorted(rates, reverse=True)
-    assert {int(r[1]) for r in rows} <= {1, 2, 4} and all(int(r[1]) * int(r[3]) == 4 for r in rows)
-    assert out[-1].startswith(f"recommended: --stages {rows[0][1]} --schedule {rows[0][0]}")
+    assert {int(r[1]) for r in rows} <= {1, 2, 4}
+    # plain layouts use K ranks per group, and the batch splits over their groups
+    assert all(r[5] == f"{int(r[1]) * int(r[4])}/4" and 8 % int(r[4]) == 0 for r in rows if r[3] == "1")
+    assert out[-2].startswith(f"recommended: --stages {rows[0][1]} --schedule {rows[0][0]}")
+    assert out[-1].startswith(f"launch: mpiexec -n {rows[0][5].split('/')[0]} gems-train --model resnet18")
     # A budget below the data-parallel peak pushes the recommendation to more stages or recomputation.
-    data_parallel = next(r for r in rows if r[1] == "1")
-    tight = float(data_parallel[6]) * 0.6
-    assert main(base + ["--sweep", "4", "--memory-budget", f"{tight}{data_parallel[7]}", "--recompute", "auto"]) == 0
+    data_parallel = next(r for r in rows if r[1] == "1" and r[3] == "1")
+    tight = float(data_parallel[8]) * 0.6
+    assert main(base + ["--sweep", "4", "--memory-budget", f"{tight}{data_parallel[9]}", "--recompute", "auto"]) == 0
     out = capsys.readouterr().out
     assert "over the budget" in out and ("recompute" in out or "nothing fits" in out)
     assert main(base) == 2

@@ -20,8 +20,10 @@ def expect_ok(result, count):
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_transparency_against_one_process(backend):
-    lines = expect_ok(run_mpi(2, WORKER, "transparency", "--backend", backend, "--schedules", "mast,1f1b",
-                              timeout=180), 4)
+    # over MPI, channels_last too (parameters and gradients checked NHWC after the steps), and D = 2
+    extra = ["--memory-formats", "contiguous,channels_last", "--stages", "2,1"] if backend == "mpi" else []
+    lines = expect_ok(run_mpi(2, WORKER, "transparency", "--backend", backend, "--schedules", "mast,1f1b", *extra,
+                              timeout=180), 16 if extra else 4)
     print("\n".join(lines))
 
 

@@ -206,6 +206,40 @@ def test_sweep_ranks_fitting_configurations():
     assert {c.stages for c in planned} == {1, 2} and all(c.peak_bytes == 10 * c.stages for c in planned)
 
 
+def test_a_sweep_counts_the_ranks_of_tile_groups():
+    """Layouts with tile groups: D x ranks per group <= world (a tile group of P at every position holding
+    stage 0), D the most groups over which the batch splits; tiles grow while no layout fits or while the
+    next P keeps D, and stop where they no longer lower the peak. The issue's case: mp K = 8 with tile
+    groups of 4 on 16 ranks is one group of 11 ranks, not two (22)."""
+    from gems.schedule.sweep import most_groups
+    from gems.schedule.topology import ranks_per_group
+
+    asked = []
+
+    def costs_for(name, K, m, D, tiles=1):   # the peak falls with the tiles, for mast K = 1 not below 40
+        asked.append((name, K, m, D, tiles))
+        floor = 40 if (name, K) == ("mast", 1) else 0
+        return equal(K, 1.0 / (K * tiles), 2.0 / (K * tiles)), 1, max(100 // tiles, floor)
+    found = sweep(costs_for, 16, IDEAL, schedules=("mp", "mast"), stages=(1, 2, 8, 16), micro_batches=(1,),
+                  memory_budget=30, tiles=(1, 2, 4, 8, 16), batch_size=2)
+    assert found and all(c.peak_bytes <= 30 for c in found)
+    for c in found:
+        assert c.ranks == c.groups * ranks_per_group(c.stages, c.schedule, c.tiles) <= 16
+        assert c.groups == most_groups(16, ranks_per_group(c.stages, c.schedule, c.tiles), 2,
+                                       sch.replicas(c.schedule))
+    assert ("mp", 8, 1, 1, 4) in asked and ("mp", 8, 1, 2, 4) not in asked   # 11 ranks: one group
+    assert not any(a[1] == 8 and a[4] == 16 for a in asked)                  # 23 ranks: none
+    assert {(c.schedule, c.stages, c.tiles, c.groups, c.ranks) for c in found} >= {
+        ("mp", 1, 4, 2, 8), ("mp", 8, 4, 1, 11), ("mast", 2, 4, 1, 8)}   # mast: positions 0 and 1 hold stage 0
+    # mp K = 1: P = 4 fits with 2 groups; P = 8 keeps them (its ranks were idle), P = 16 would halve them
+    assert [a[4] for a in asked if a[:2] == ("mp", 1)] == [1, 2, 4, 8]
+    # mast K = 1 (a group is one tile group): 8 tiles no longer lower the peak below 4's, so 16 are not tried
+    assert [a[4] for a in asked if a[:2] == ("mast", 1)] == [1, 2, 4, 8]
+    assert not any(a[1] == 16 and a[4] > 1 for a in asked)   # 16 positions and a tile group: over 16 ranks
+    assert most_groups(16, 11) == 1 and most_groups(16, 4, batch_size=2, parts=1) == 2
+    assert most_groups(3, 4) == 0
+
+
 def test_bad_input_names_the_fix():
     with pytest.raises(GemsError, match="one per stage"):
         simulate("mp", 2, 1, equal(3))

@@ -121,10 +121,13 @@ def _plan(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: 
 
 def _train(side: int, batch: int, K: int, schedule: str, grid, end=None, groups: int = 1, steps: int = STEPS,
            split: bool = False, net=GroupNormNet, m: int = 1, start: int = 0, split_points=None, recompute=None,
-           made=None, batch_norm: str = "micro-batch", shard: bool = False, probe=None):
+           made=None, batch_norm: str = "micro-batch", shard: bool = False, probe=None,
+           memory_format: str = "contiguous"):
     """Each rank's (state, losses) after ``steps`` steps, and with ``probe`` ``probe(engine)`` third."""
     made, plan = made or _plan(side, batch, K, schedule, grid, end, groups, split, net, m, start, split_points,
                                recompute, shard)
+    plan = copy.deepcopy(plan)
+    plan.memory_format = memory_format
     world = ranks_per_group(K, schedule, plan.tiles, bool(plan.spatial_start)) * groups
     copies = made.copies(world)
 
@@ -167,6 +170,22 @@ def test_spatial_prefix_then_leader():
 def test_spatial_with_mast(split):
     """P = 2, K = 2 under mast: both end positions are tile groups (4 ranks)."""
     _check(_train(36, 4, 2, "mast", (2, 1), split=split), 4, 36)
+
+
+def _nhwc(engine) -> bool:
+    """Whether every 4-D parameter of the rank, and its gradient, is channels_last."""
+    return all(p.is_contiguous(memory_format=torch.channels_last) and p.grad.is_contiguous(
+        memory_format=torch.channels_last) for s in engine.stages.values() for p in s.parameters() if p.dim() == 4)
+
+
+@pytest.mark.parametrize("net, K, schedule, batch, grid", [(GroupNormNet, 2, "mast", 4, (2, 1)),
+                                                           (_unet, 1, "mp", 2, (2, 2))])
+def test_channels_last_on_tiles(net, K, schedule, batch, grid):
+    """Tiles, halos, gathers and the skips' concatenations keep NHWC (parameters and gradients are still
+    channels_last after the steps on every rank) and train as one process."""
+    results = _train(36, batch, K, schedule, grid, net=net, probe=_nhwc, memory_format="channels_last")
+    _check(results, batch, 36, net=net)
+    assert all(r[2] for r in results)
 
 
 @pytest.mark.parametrize("grid", [(2, 1), (2, 2)])

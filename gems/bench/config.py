@@ -15,12 +15,12 @@ from gems.errors import GemsError
 from gems.partition.backward import split_mode
 from gems.schedule import generators as sch
 from gems.schedule.topology import ranks_per_group
-from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, model_kwargs, opt,
-                               tile_count)
+from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, Recipe,
+                               model_kwargs, opt, tile_count)
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(Recipe):
     model: str = opt("resnet18", MODEL_HELP)
     model_arg: tuple[str, ...] = opt((), MODEL_ARG_HELP, metavar="KEY=VALUE")
     image_size: int = opt(512, "side of the square synthetic images, in pixels")

@@ -62,6 +62,7 @@ from gems.errors import GemsError
 from gems.obs import memory, trace
 from gems.obs.network import measure_network
 from gems.pipeline.loss import SumLoss, batch_mean
+from gems.plan import formats
 from gems.schedule import generators as sch
 from gems.schedule import simulate
 from gems.train.config import model_kwargs
@@ -98,14 +99,21 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
 def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
               device: torch.device) -> dict:
     """Plain PyTorch on one rank: forward, backward (the engine's loss, the batch's mean) and SGD
-    of the whole model on the batch."""
-    model = copy.deepcopy(model).to(device)
+    of the whole model on the batch, under the schedules' recipe as a user's loop applies it: the
+    model and images in the memory format, forward and loss under bf16 autocast, the model compiled
+    whole (the compile happens in the warm-up steps)."""
+    fmt = formats.of_name(cfg.memory_format(device.type))
+    model = copy.deepcopy(model).to(device, memory_format=fmt)
     optimizer = sgd(model.parameters(), cfg.lr)
-    x, y = images.to(device), labels.to(device)
+    x, y = images.to(device, memory_format=fmt), labels.to(device)
+    run = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp == "bf16")
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=False)
-        batch_mean(loss_fn, model(x), y).backward()
+        with autocast:
+            loss = batch_mean(loss_fn, run(x), y)
+        loss.backward()
         optimizer.step()
 
     times = []
@@ -121,9 +129,19 @@ def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss
     peak = meter.stop()
     step = statistics.median(times[cfg.warmup:])
     estimate = partition.plan(model, tuple(x.shape[1:]), cfg.batch_size, 1, "mp", balance_by=cfg.balance_by,
-                              model_name=cfg.model).positions[0].peak_bytes
+                              model_name=cfg.model, amp=cfg.amp, device=device.type,
+                              memory_format=cfg.memory_format(device.type)).positions[0].peak_bytes
     return {"step_time": step, "images_per_s": cfg.batch_size / step, "peak_memory": peak,
             "plan_memory": estimate, "threads": torch.get_num_threads()}
+
+
+def recipe(cfg: BenchConfig, device_type: str) -> str:
+    """The speed switches both the schedules and the reference ran with, in words."""
+    parts = [cfg.memory_format(device_type), "bf16 autocast" if cfg.amp == "bf16" else "fp32",
+             "compiled" if cfg.compile else "eager"]
+    if device_type == "cuda":
+        parts.append("cuDNN benchmark" if cfg.cudnn_benchmark else "no cuDNN benchmark")
+    return ", ".join(parts)
 
 
 @dataclass
@@ -178,9 +196,11 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
-                          spatial=cfg.spatial)
+                          spatial=cfg.spatial, amp=cfg.amp, device=comm.device.type,
+                          memory_format=cfg.memory_format(comm.device.type), compile=cfg.compile)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, cfg.lr),
-                    loss_fn=loss_fn, comm=comm, timeout=cfg.timeout)
+                    loss_fn=loss_fn, comm=comm, timeout=cfg.timeout,
+                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, compile=cfg.compile)
     recorder = trace.Recorder(engine, keep=None)
     mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
     comm.barrier()
@@ -260,6 +280,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
     if cfg.trace_dir and comm.rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
     device = comm.device   # placed by gems.comm (CUDA_VISIBLE_DEVICES and per-task GPUs respected)
+    cfg.apply(device.type)   # process-wide: cuDNN's autotuning
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, num_classes=cfg.num_classes, **model_kwargs(cfg.model_arg))
     first = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, "mp",
@@ -284,6 +305,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         r.efficiency = r.images_per_s / (comm.size * ref["images_per_s"]) if ref else None
     report = {
         "config": asdict(cfg), "task": asdict(task), "world": comm.size, "load_average": load, "stages": K,
+        "recipe": recipe(cfg, device.type),
         "tiles": cfg.tiles(),
         "threads": torch.get_num_threads(), "device": str(device), "memory_kind": memory.kind(device),
         "network": {"latency": network.latency, "bandwidth": network.bandwidth,

@@ -77,7 +77,7 @@ def dataclass_parser(prog: str, description: str, config: type) -> argparse.Argu
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         kind = hints[f.name]
-        if kind is bool:
+        if configfile.value_type(kind) is bool:   # bool | None: None unless --x or --no-x
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         if "const" in f.metadata:

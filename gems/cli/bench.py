@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     comm = communicator("gems-bench", cfg.comm, cfg.timeout, cfg.allow_shared_gpu)
     comm_lib.configure_threads(comm)
-    setup_on_every_rank("gems-bench", comm, lambda: cfg.validate(comm.size))
+    setup_on_every_rank("gems-bench", comm, lambda: (cfg.validate(comm.size), cfg.compiler(comm.device.type)))
     handshake.agree("gems-bench", comm, handshake.benchmark(cfg))
     with comm.guard():
         report = bench.run(cfg, comm)

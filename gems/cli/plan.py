@@ -11,6 +11,8 @@
     gems-plan --model torchvision:resnet50 --image-size 16384 --batch-size 2 --stages 2 --schedule mast \
               --recompute auto --memory-budget 80GiB --spatial 4  # stage 0's first units on 4 tiles each
     gems-plan --model resnet18 --image-size 512 --batch-size 8 --stages 4 --split-backward auto
+    gems-plan --model resnet50 --image-size 16384 --batch-size 2 --sweep 16 --memory-budget 80GiB \
+              --recompute auto --json plan.json   # the fastest layout on 16 ranks, tile groups included
 
 The model is profiled on fake tensors (nothing of its real size is allocated), so this runs
 on a laptop for any image size. --json writes the plan that ``gems-train --plan`` can use.
@@ -20,17 +22,20 @@ Speeds default to a V100 on PCIe 3; --calibrate measures this machine's device i
 (``gems.partition.spatial``); with --memory-budget and no --spatial, it is tried when nothing
 else fits (``auto``). --split-backward auto plans with and without the split backward and keeps the
 faster that fits (``gems.partition.backward``); the table's last lines say which and why.
+--sweep RANKS plans every layout on that many ranks, tile groups included (``gems.partition.sweep``),
+and prints the fastest that fits with its ``mpiexec -n`` and flags.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
 from gems.errors import GemsError
-from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, model_kwargs
+from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, Recipe, model_kwargs
 from gems.units import format_size, parse_size
 
 PROG = "gems-plan"
@@ -141,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--amp", default="none", choices=list(AMP),
                    help="price activations as gems-train --amp keeps them (bf16: forwards under autocast)")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for units compiled as gems-train --compile runs them: the backward is never split "
+                        "(a compiled unit's backward is one autograd node)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan for stages in channels_last (NHWC) memory format, as gems-train --channels-last runs "
+                        "them (default: yes for --device cuda, no for cpu)")
     p.add_argument("--comm", choices=COMMS,
                    help="the transport gems-train will use (its --comm): on a cuda device, adds what every rank "
                         "holds besides tensors (CUDA context; NCCL buffers for torch) and counts it against "
@@ -158,9 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predict step time, throughput and bubbles of this plan and of every schedule "
                         "at the same K and m (gems.schedule.simulate)")
     p.add_argument("--sweep", type=checked(positive), metavar="RANKS",
-                   help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8 and D = RANKS / K at "
-                        "this --batch-size (under --memory-budget, with --recompute/--offload as given) and "
-                        "recommend the fastest that fits")
+                   help="plan and simulate every schedule, K dividing RANKS, m in 1,2,4,8, tile groups of P = 2, 4, "
+                        "8, 16 where no plan without fits or ranks would be idle (only --spatial's, if given), and "
+                        "the most groups D with D x ranks per group <= RANKS over which --batch-size splits (under "
+                        "--memory-budget, with --recompute/--offload as given); recommend the fastest that fits, "
+                        "with its launch size and flags (--json writes its plan)")
     p.add_argument("--device-tflops", type=float,
                    help="device peak rate, for --simulate and the time of policies; none given: a V100's fp32 peak, "
                         "15.7, or the measured rate with --calibrate")
@@ -234,6 +247,8 @@ def _plan(args: argparse.Namespace) -> None:
                    model_name=args.model, recompute=args.recompute, offload=args.offload, device=args.device,
                    host_bandwidth=args.host_bandwidth, device_flops=args.device_tflops * 1e12,
                    efficiency=args.efficiency, amp=args.amp, comm=args.comm, split_points=args.split_points,
+                   memory_format=Recipe(channels_last=args.channels_last).memory_format(args.device),
+                   compile=args.compile,
                    leaf_modules=args.leaf_module, split_backward=args.split_backward,
                    shard_optimizer=args.shard_optimizer, profiles={},   # each micro-batch size profiled once
                    spatial=args.spatial, spatial_end=args.spatial_end, spatial_start=args.spatial_start)
@@ -292,50 +307,69 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
 
 
 def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
-    """Every (schedule, K, m, D) on ``args.sweep`` ranks: planned (``options`` shares the profiles
-    of each micro-batch size), simulated, filtered by the memory budget, fastest first."""
-    from gems.partition import plan
-    from gems.schedule.simulate import V100_CLUSTER, costs_from_plan
-    from gems.schedule.sweep import sweep
+    """Every layout on ``args.sweep`` ranks, with tile groups where they can pay (``gems.partition.sweep``):
+    planned, simulated, filtered by the memory budget, fastest first; the recommendation with its
+    launch size and flags, written with --json."""
+    from gems.partition.sweep import sweep_plans, tile_counts
+    from gems.schedule.simulate import V100_CLUSTER
 
-    world, plans, over = args.sweep, {}, []
-    rate = args.device_tflops * 1e12
-
-    def costs_for(name: str, K: int, m: int, D: int):
-        try:
-            p = plan(model, shape, **{**options, "stages": K, "schedule": name, "micro_batches": m, "groups": D,
-                                      "balance": None, "split_points": None})
-        except GemsError:          # the batch does not split, more stages than units, nothing fits
-            return None
-        plans[name, K, m] = p
-        if p.fits is False:
-            over.append(p)
-        return (costs_from_plan(p, rate, args.efficiency), p.micro_batch_size, p.peak_bytes + p.overhead_bytes,
-                p.split_backward, p.order)   # with --split-backward auto, each plan's own choice
-
-    stages = [k for k in range(1, world + 1) if world % k == 0 and k <= len(model)]
-    found = sweep(costs_for, world, V100_CLUSTER, stages=stages, memory_budget=args.memory_budget)
+    world = args.sweep
+    swept = sweep_plans(model, shape, options, world, tile_counts(args.spatial), V100_CLUSTER)
     budget = f" within {format_size(args.memory_budget)}" if args.memory_budget else ""
+    tiled = sorted({p.tiles for p in swept.plans.values()} - {1})
     lines = [f"sweep: {world} ranks, batch {args.batch_size}, {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
              f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node of {V100_CLUSTER.ranks_per_node}, "
              f"{V100_CLUSTER.bandwidth / 1e9:.1f} GB/s between nodes",
-             f"{len(plans)} configurations planned, {len(found)} fit{budget}"
-             + (f" ({len(over)} over the budget)" if over else ""),
-             f"{'schedule':10}{'K':>3}{'m':>3}{'D':>4}{'step (ms)':>11}{'images/s':>10}{'est. peak':>12}  policies"]
-    for c in found[:12]:
-        made = plans[c.schedule, c.stages, c.micro_batches]
-        kinds = sorted({pol.kind for pol in made.policies}) + ["split backward"] * made.split_backward
-        lines.append(f"{c.schedule:10}{c.stages:>3}{c.micro_batches:>3}{c.groups:>4}{c.step_time * 1e3:>11.1f}"
-                     f"{c.images_per_second:>10.2f}{format_size(c.peak_bytes):>12}  {','.join(kinds)}")
-    if found:
-        best = found[0]
-        split = " --split-backward" if plans[best.schedule, best.stages, best.micro_batches].split_backward else ""
-        lines.append(f"recommended: --stages {best.stages} --schedule {best.schedule} --micro-batches "
-                     f"{best.micro_batches}{split} on {world} ranks ({best.groups} data-parallel group(s))")
-    else:
+             f"{len(swept.plans)} configurations planned"
+             + (f" (tile groups of {', '.join(map(str, tiled))})" if tiled else "")
+             + f", {len(swept.found)} fit{budget}" + (f" ({swept.over} over the budget)" if swept.over else ""),
+             f"{'schedule':10}{'K':>3}{'m':>3}{'P':>4}{'D':>4}{'ranks':>7}{'step (ms)':>11}{'images/s':>10}"
+             f"{'est. peak':>12}  policies"]
+    for c in swept.found[:12]:
+        made = swept.plan_of(c)
+        kinds = sorted({pol.kind for pol in made.policies} - {"none"}) + ["split backward"] * made.split_backward
+        lines.append(f"{c.schedule:10}{c.stages:>3}{c.micro_batches:>3}{c.tiles:>4}{c.groups:>4}"
+                     f"{f'{c.ranks}/{world}':>7}{c.step_time * 1e3:>11.1f}{c.images_per_second:>10.2f}"
+                     f"{format_size(c.peak_bytes):>12}  {','.join(kinds + _tiled_units(made)) or 'none'}")
+    best = swept.best
+    if best is None:
         lines.append("nothing fits: raise --memory-budget, allow --recompute auto / --offload auto, "
-                     "or use more ranks")
+                     "or use more ranks" + (f" (no plan written to {args.json})" if args.json else ""))
+        return "\n".join(lines)
+    ranks = swept.found[0].ranks
+    lines.append(f"recommended: {' '.join(_layout_flags(best))} on {ranks} of {world} ranks "
+                 f"({best.groups} data-parallel group(s) of {ranks // best.groups} ranks)")
+    height, width = args.image_size
+    train = ["--model", args.model, *(x for a in args.model_arg for x in ("--model-arg", a)), "--num-classes",
+             str(args.num_classes), "--image-size", str(height) if height == width else f"{height}x{width}",
+             "--batch-size", str(args.batch_size), *_layout_flags(best, train=True), "--plan", args.json or "PLAN.json"]
+    lines.append(f"launch: mpiexec -n {ranks} gems-train {shlex.join(train)}"
+                 + ("" if args.json else "  (write PLAN.json with --json)"))
+    if args.json:
+        best.to_json(args.json)
+        lines.append(f"plan written to {args.json}")
     return "\n".join(lines)
+
+
+def _layout_flags(plan, train: bool = False) -> list[str]:
+    """The flags that lay out ``plan``: gems-plan's (``train`` False: --groups and the spatial part's
+    ends too) or gems-train's beside --plan (which takes the rest from the plan)."""
+    flags = ["--stages", str(plan.stages), "--schedule", plan.schedule, "--micro-batches", str(plan.micro_batches)]
+    if not train:
+        flags += ["--groups", str(plan.groups)] + ["--split-backward"] * plan.split_backward
+    if plan.spatial_grid:
+        flags += ["--spatial", "x".join(map(str, plan.spatial_grid))]
+        if not train:
+            flags += ["--spatial-end", str(plan.spatial_end), "--spatial-start", str(plan.spatial_start)]
+    return flags
+
+
+def _tiled_units(plan) -> list[str]:
+    """The spatial part of a plan for the sweep's table: its grid and tiled units."""
+    if not plan.spatial_grid:
+        return []
+    suffix = f",[{plan.spatial_start},{len(plan.unit_names)})" if plan.spatial_start else ""
+    return [f"tiles {'x'.join(map(str, plan.spatial_grid))} on [0,{plan.spatial_end}){suffix}"]
 
 
 if __name__ == "__main__":

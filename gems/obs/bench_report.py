@@ -24,7 +24,8 @@ def table(report: dict) -> str:
              + _split(cfg.get("split_backward"), report["schedules"])
              + (f"; --spatial {cfg['spatial']}: stage 0's first units on tile groups of {report['tiles']} ranks, "
                 f"all {W} ranks counted in the physical limit" if cfg.get("spatial") else "")
-             + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")]
+             + ("" if report.get("load_average") is None else f"; load average at start {report['load_average']:.2f}")
+             + f"; recipe (schedules and reference): {report.get('recipe', 'default')}"]
     if ref:
         lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
                      f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "

@@ -42,8 +42,10 @@ leaves no trace: deferred sums are dropped, and ``gems.pipeline.gradsync`` resto
 micro-batch mode wrote.
 
 Recomputation: a checkpointed segment's forward runs again during backward, on scratch copies
-of its buffers (``gems.pipeline.stage``); a deferred layer that finds a copy in place of its
-own running mean knows it is being recomputed, and counts nothing.
+of its buffers (``gems.pipeline.stage``); a deferred layer finds its ``recomputing`` flag raised
+then (``gems.pipeline.stage.RECOMPUTING``), and counts nothing. A flag, not the identity of its
+running mean: a compiled unit (``gems.pipeline.compiled``) is guarded on the flag's value, while
+torch.compile does not tell a buffer from a copy of it.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gems.errors import GemsError
+from gems.pipeline.stage import RECOMPUTING
 
 MODES = ("micro-batch", "deferred", "frozen")
 
@@ -86,7 +89,8 @@ class BatchNorms:
         self._counts_at = torch.tensor(sizes, dtype=torch.long, device=device).cumsum(0) - 1
         for layer, view in zip(self._deferred, self._views):
             # a tiled layer (gems.spatial.ops.batch_norm) adds its whole images' statistics through this
-            layer.deferred_sums = functools.partial(_add, layer, view, layer.running_mean)
+            setattr(layer, RECOMPUTING, False)   # raised while a segment holding it is recomputed
+            layer.deferred_sums = functools.partial(_add, layer, view)
             layer.forward = functools.partial(_deferred_forward, layer, layer.deferred_sums)
         kept = layers if mode == "frozen" else self._deferred
         # Running statistics kept identical across copies by the mode itself (never written, or
@@ -139,12 +143,11 @@ def _deferred_forward(layer: _BatchNorm, add, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _add(layer: _BatchNorm, sums: torch.Tensor, own_mean: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-         n: int) -> None:
+def _add(layer: _BatchNorm, sums: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
     """Add a batch of ``n`` values per channel with ``mean`` and unbiased ``var`` to ``sums`` (Σx,
-    Σx², count) -- unless ``layer`` is being recomputed (stage.py swaps in copies of its running
-    statistics then), whose batch was counted by its first forward."""
-    if layer.running_mean is not own_mean:
+    Σx², count) -- unless ``layer`` is being recomputed (stage.py raises its ``RECOMPUTING`` flag
+    then), whose batch was counted by its first forward."""
+    if getattr(layer, RECOMPUTING):
         return
     c = layer.num_features
     mean, var = mean.double(), var.double()

@@ -24,6 +24,8 @@ receives (NCCL's above all) cannot be withdrawn, so there is no sound way to go 
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -34,6 +36,7 @@ from gems.errors import GemsError
 from gems.graph import GraphUnits, check_tied, graph_units
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
+from gems.pipeline import compiled as compiling
 from gems.pipeline.executor import Executor
 from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
@@ -45,6 +48,7 @@ from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
 from gems.pipeline.tiled import NoMessages, member_actions, sync_parts, tile_groups, tiled_stage
+from gems.plan import formats
 from gems.schedule import generators as sch
 from gems.schedule.ir import describe_action
 from gems.schedule.topology import Topology
@@ -74,6 +78,12 @@ class Engine:
         batch_norm: what BatchNorm layers do with micro-batches: ``"micro-batch"`` (PyTorch's
             behaviour per micro-batch), ``"deferred"`` (running statistics of the whole global
             batch, once per step) or ``"frozen"`` (eval mode); see ``gems.pipeline.batchnorm``.
+        memory_format: ``torch.channels_last`` (or ``"channels_last"``) holds 4-D parameters,
+            activations, gradients and messages in NHWC (``gems.plan.formats``); default the
+            plan's ``memory_format``.
+        compile: compile every unit before the first step (``gems.pipeline.compiled``); default
+            the plan's ``compiled``. ``engine.compiled`` then holds the units (``recompiles``: graphs
+            made after the warm-up, the units left eager); None when eager.
 
     A step whose loss is not finite is never applied: the optimizer is skipped, the step
     leaves no trace in the model's buffers and ``last_step_applied`` is False, so the caller
@@ -83,7 +93,8 @@ class Engine:
     def __init__(self, model: nn.Module, plan, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  loss_fn: Callable, comm="mpi", device: torch.device | str | None = None,
                  timeout: float = 300.0, prefetch: int = PREFETCH, clip_grad_norm: float | None = None,
-                 autocast: torch.dtype | None = None, batch_norm: str = "micro-batch") -> None:
+                 autocast: torch.dtype | None = None, batch_norm: str = "micro-batch",
+                 memory_format: torch.memory_format | str | None = None, compile: bool | None = None) -> None:
         check_mode(batch_norm)
         if not isinstance(model, GraphUnits):   # any nn.Module: the plan's chain of units
             model = graph_units(model, plan.input_shape, plan.micro_batch_size, plan.leaf_modules)
@@ -91,12 +102,16 @@ class Engine:
             raise GemsError(f"the plan was made for {plan.cuts[-1]} units that the model does not have (it has "
                             f"{len(model)}): make the plan from this model, at this image size and batch")
         check_tied(model, plan.cuts)
+        plan = _in_format(plan, model, memory_format)
         plan.check()   # one policy per stage, segments inside their stage
         if isinstance(comm, str):
             comm = comm_lib.create(comm, device=device, timeout=timeout)
             comm_lib.configure_threads(comm)  # cores / ranks on the node, unless OMP_NUM_THREADS
         self.comm, self.plan = comm, plan
         self.device = comm.device if device is None else torch.device(device)
+        compile = plan.compiled if compile is None else bool(compile)
+        if compile:   # before anything communicates: every rank refuses alike
+            compiling.check(plan, self.device)
         if plan.tiles > 1 and self.device.type == "cuda" and comm.backend == "loopback" and comm.size > 1:
             # A tile's backward exchanges halos from inside autograd, and one process runs all its
             # CUDA backwards on that device's one autograd thread: two ranks' backwards would wait
@@ -123,12 +138,14 @@ class Engine:
         self.stages: dict[int, nn.Sequential] = {
             s: model[plan.cuts[s]:plan.cuts[s + 1]] for s in self.topology.stages_of(comm.rank)}
         policies = {s: plan.policies[s] for s in self.stages}
-        self._cut = None   # a tiled stage 0 takes this rank's tile of the images, cut before the device copy
+        cut = None   # a tiled stage 0 takes this rank's tile of the images, cut before the device copy
         if tiles is not None:
-            self._cut = tiles.tile if 0 in self.stages else None
+            cut = tiles.tile if 0 in self.stages else None
             for s in self.topology.tiled_stages & set(self.stages):
                 self.stages[s] = tiled_stage(self.stages[s], s, plan, tiles, batches.rows_per_micro, model)
-        self.stages = {s: module.to(self.device) for s, module in self.stages.items()}
+        self.stages = {s: formats.convert(module.to(self.device), plan.memory_format)
+                       for s, module in self.stages.items()}
+        self._arrive = _arrival(cut, self.device, formats.of_name(plan.memory_format))
         # One pool of host buffers for all the stages this rank offloads, bounded by what the
         # plan prices it at (gems.partition.costs.host_moments).
         self.host_pool = HostPool(plan.host_bytes[self.position] if plan.host_bytes else None,
@@ -149,9 +166,16 @@ class Engine:
                              if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
                                  self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile),
-                                 self._cut)
+                                 self._arrive)
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
                                  key, extras, self.grads.shard_groups if plan.shard_optimizer else None)
+        self._routes = routes
+        self.compiled: compiling.CompiledUnits | None = None   # every unit compiled and warmed up, or eager
+        if compile:
+            self.compiled = compiling.CompiledUnits(self.stages, plan)
+            self._warm_up(batches.rows_per_micro, training=True)
+            for line in self.compiled.summary(comm):   # COLLECTIVE; rank 0's lines
+                print(f"gems: {line}", flush=True)
 
     @property
     def needs_images(self) -> bool:
@@ -230,8 +254,16 @@ class Engine:
         if size not in self._forwards:
             self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self.position, self.group,
                                             self.executor.runners, size, self.device, self.autocast,
-                                            self.prefetch, bool(self.tile), self._cut)
+                                            self.prefetch, bool(self.tile), self._arrive)
+            if self.compiled is not None:   # their variant: no grad, eval mode, their rows
+                self._warm_up(self._forwards[size].batches.rows_per_micro, training=False)
         return self._forwards[size]
+
+    def _warm_up(self, rows: int, training: bool) -> None:
+        """Run every compiled unit once on inputs of ``rows`` images (``gems.pipeline.compiled``)."""
+        self.compiled.warm_up(lambda s: compiling.example_inputs(self.plan, self._routes, s, rows, self.device,
+                                                                 self._arrive), rows, self.device, self.autocast,
+                              training)
 
     def evaluate(self, batches: Iterable, scores=None, batch_size: int | None = None) -> dict:
         """Forward-only pass over ``batches`` (``(images, targets)`` per global batch, or this group's
@@ -294,3 +326,22 @@ class Engine:
                    param_groups: list[dict] | None = None) -> None:
         """Load full-model state (from any partition): each rank takes its stages' entries."""
         self._state.load_state(model, optimizer, param_groups)
+
+
+def _in_format(plan, model: nn.Module, memory_format) -> object:
+    """``plan`` running in ``memory_format`` (None: the plan's own). A model without 4-D parameters
+    has nothing channels_last changes: it runs in the default format, with a warning."""
+    name = plan.memory_format if memory_format is None else formats.name_of(memory_format)
+    if name == "channels_last" and not formats.takes_format(model):
+        warnings.warn("channels_last asked for a model without 4-D parameters, which the format does not change: "
+                      "training goes on in the default (contiguous) format", stacklevel=3)
+        name = "contiguous"
+    return plan if name == plan.memory_format else dataclasses.replace(plan, memory_format=name)
+
+
+def _arrival(cut, device: torch.device, fmt: torch.memory_format) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows of the images -> stage 0's input: this rank's tile (``cut``), on ``device``, in ``fmt``."""
+    def arrive(images: torch.Tensor) -> torch.Tensor:
+        x = cut(images) if cut is not None else images
+        return x.to(device, non_blocking=True, memory_format=fmt if x.dim() == 4 else torch.preserve_format)
+    return arrive

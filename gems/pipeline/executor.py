@@ -42,12 +42,13 @@ class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
                  grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, member: bool = False, cut=None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, member: bool = False, arrive=None) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
         # a tile group's member (gems.pipeline.tiled): its stage-0 outputs are placeholders whose
         # backward waits for the tiles' gradients from the leader; it computes no loss
         self.member = member
-        self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
+        # rows of the images -> stage 0's input on the device (this rank's tile, in the plan's format)
+        self.arrive = arrive or (lambda images: images.to(device, non_blocking=True))
         self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
@@ -109,7 +110,7 @@ class Executor:
         received: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         leaves: tuple[torch.Tensor, ...] = ()   # what an input half stops at
         if a.stage == 0:
-            inputs = (self.cut(self._images[rows]).to(self.device, non_blocking=True),)
+            inputs = (self.arrive(self._images[rows]),)
         elif self.member:   # a suffix's inputs come from the leader's scatter; this scalar ties its graph
             # (the input half stops at it, so a member walks its tiles' backward when its leader does)
             inputs = leaves = (torch.zeros((), device=self.device, requires_grad=True),)

@@ -35,13 +35,14 @@ class Forwards:
 
     def __init__(self, comm, topology: Topology, plan, position: int, group: int,
                  runners: dict[int, StageRunner], batch_size: int, device: torch.device,
-                 autocast: torch.dtype | None, prefetch: int, member: bool = False, cut=None) -> None:
+                 autocast: torch.dtype | None, prefetch: int, member: bool = False, arrive=None) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips, plan.order)
         self.member = member   # a tile group's member: its tiled stages' forwards only (gems.pipeline.tiled)
-        self.cut = cut or (lambda images: images)   # a tiled stage 0's input: this rank's tile
+        # rows of the images -> stage 0's input on the device (this rank's tile, in the plan's format)
+        self.arrive = arrive or (lambda images: images.to(device, non_blocking=True))
         self.actions = member_actions(lists[position], set(runners)) if member else lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
@@ -81,7 +82,7 @@ class Forwards:
                 else:
                     rows = self.batches.rows(a.replica, a.micro)
                     if a.stage == 0:
-                        inputs = (self.cut(images[rows]).to(self.device, non_blocking=True),)
+                        inputs = (self.arrive(images[rows]),)
                     elif self.member:   # a suffix's inputs come from the leader's scatter
                         inputs = (torch.zeros((), device=self.device),)
                     else:

@@ -37,6 +37,7 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
+from gems.plan import formats
 from gems.schedule.topology import Topology
 
 
@@ -95,7 +96,7 @@ class GradSync:
             segment = self.bucket[offset:offset + n_grad + n_stats]
             self._segments[s] = (segment, segment[:n_grad], segment[n_grad:], stats[s])
             for p in params[s]:
-                view = self.bucket[offset:offset + p.numel()].view_as(p)
+                view = formats.like(self.bucket[offset:offset + p.numel()], p)   # p's strides: NHWC stays
                 p.grad = view
                 self._views.append((p, view))
                 self._offsets[id(p)] = offset
@@ -157,7 +158,7 @@ class GradSync:
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
         views = {id(p): view for p, view in self._views}
         for p in ordered:
-            views[id(p)] = p.grad = self.bucket[offset:offset + p.numel()].view_as(p)
+            views[id(p)] = p.grad = formats.like(self.bucket[offset:offset + p.numel()], p)
             self._offsets[id(p)] = offset
             offset += p.numel()
         self._views = [(p, views[id(p)]) for p, _ in self._views]
@@ -169,7 +170,7 @@ class GradSync:
         flat = torch.empty(hi - lo, dtype=params[0].dtype, device=params[0].device)
         for p in params:
             start = self._offsets[id(p)] - lo
-            view = flat[start:start + p.numel()].view_as(p)
+            view = formats.like(flat[start:start + p.numel()], p)
             view.copy_(p)
             p.data = view
         return flat

@@ -7,6 +7,10 @@ transfer's size). The receiver's tensors are views into the buffer, so unpacking
 packing copies each tensor once, converting it to the layout's dtype on the way (a stage run
 under autocast still sends the plan's dtypes).
 
+A layout has a memory format (the plan's, ``gems.plan.formats``): in ``channels_last`` a 4-D tensor's
+bytes are laid out NHWC and its receive view has those strides, so a stage running NHWC sends and
+receives without a permuting copy; the format is part of the digest.
+
 The buffer opens with a 16-byte header: a digest of the message (its identity and layout) and
 the byte count. Where the buffer is on the host (MPI's usual case) the receiver checks it, so two
 ranks that disagree about a message -- different plans, a schedule bug -- fail with a sentence
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from gems.errors import GemsError
+from gems.plan import formats
 
 HEADER = 16      # bytes: digest, byte count (two int64)
 ALIGN = 16       # every tensor starts at a multiple of this many bytes (dtype views need alignment)
@@ -38,17 +43,20 @@ class Layout:
         shapes: per tensor, its shape without the batch dimension.
         dtypes: per tensor, its dtype.
         rows: the batch dimension of every tensor (images per micro-batch).
+        memory_format: how 4-D tensors lie in the buffer, "contiguous" (NCHW) or "channels_last" (NHWC).
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], rows: int) -> None:
+    def __init__(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], rows: int,
+                 memory_format: str = "contiguous") -> None:
         self.shapes = [(rows, *shape) for shape in shapes]
+        self.strides = [formats.strides(shape, memory_format) for shape in self.shapes]
         self.dtypes = list(dtypes)
         self.offsets, at = [], HEADER
         for shape, dtype in zip(self.shapes, self.dtypes):
             self.offsets.append(at)
             at = _aligned(at + math.prod(shape) * dtype.itemsize)
         self.nbytes = at
-        self._text = ";".join(f"{tuple(s)}:{d}" for s, d in zip(self.shapes, self.dtypes))
+        self._text = ";".join(f"{tuple(s)}:{d}" for s, d in zip(self.shapes, self.dtypes)) + f";{memory_format}"
 
     def digest(self, what: str) -> int:
         """The header's digest of message ``what`` (its printed identity) with this layout."""
@@ -82,5 +90,5 @@ class Layout:
         return tuple(self._views(flat))
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for at, shape, dtype in zip(self.offsets, self.shapes, self.dtypes)]
+        return [flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).as_strided(shape, strides)
+                for at, shape, strides, dtype in zip(self.offsets, self.shapes, self.strides, self.dtypes)]

@@ -37,10 +37,10 @@ class Edge(NamedTuple):
 class Routes:
     """The edges of a plan (module docstring)."""
 
-    def __init__(self, routes: list, shapes: list, dtypes: list[list[str]]) -> None:
-        """``routes``, ``shapes``, ``dtypes``: a plan's ``routes``, ``stage_output_shapes`` and
-        ``stage_output_dtypes`` (per stage; routes may be empty: relay)."""
-        self.routes, self.shapes, self.names = routes, shapes, dtypes
+    def __init__(self, routes: list, shapes: list, dtypes: list[list[str]], memory_format: str = "contiguous") -> None:
+        """``routes``, ``shapes``, ``dtypes``, ``memory_format``: a plan's ``routes``, ``stage_output_shapes``,
+        ``stage_output_dtypes`` (per stage; routes may be empty: relay) and ``memory_format``."""
+        self.routes, self.shapes, self.names, self.memory_format = routes, shapes, dtypes, memory_format
         self.dtypes = [[getattr(torch, d) for d in ds] for ds in dtypes]
         # input tuples: stage 0 takes the images; without routes, each its neighbour's whole output
         self.widths = [1] + ([len(r) for r in routes[1:]] if routes else [len(d) for d in dtypes[:-1]])
@@ -55,7 +55,7 @@ class Routes:
         if units is not None and plan.routes and plan.routes != stage_routes(units, plan.cuts):
             raise GemsError("the plan's routes between stages are not this model's: make the plan from this "
                             "model, at this image size and batch")
-        return cls(plan.routes, plan.stage_output_shapes, plan.stage_output_dtypes)
+        return cls(plan.routes, plan.stage_output_shapes, plan.stage_output_dtypes, plan.memory_format)
 
     def message_bytes(self, rows: int) -> dict[tuple[int, int], int]:
         """Bytes of each edge's forward message for micro-batches of ``rows`` images."""
@@ -71,7 +71,7 @@ class Routes:
         e = self.edges[edge]
         sources = e.sources if kind == "act" else [s for s, g in zip(e.sources, e.grads) if g]
         return Layout([self.shapes[e.producer][s] for s in sources], [self.dtypes[e.producer][s] for s in sources],
-                      rows)
+                      rows, self.memory_format)
 
     def assemble(self, stage: int, received: dict[tuple[int, int], tuple[torch.Tensor, ...]],
                  device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -81,6 +81,10 @@ from gems.plan import StagePolicy
 
 Key = tuple[int, int, int]   # (replica, micro-batch, stage)
 
+# A module with a bool attribute of this name (a deferred BatchNorm layer, ``gems.pipeline.batchnorm``)
+# finds it True while a segment holding it is recomputed. A flag rather than the buffers' identity:
+# torch.compile guards on the flag's value, not on which tensor object a buffer is (gems.pipeline.compiled).
+RECOMPUTING = "recomputing"
 
 
 def as_tuple(x: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -201,25 +205,38 @@ def _first_unit(piece: nn.Sequential) -> nn.Module:
 def _contexts(piece: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """checkpoint's (forward, recomputation) contexts: the recomputation works on copies of
     the buffers, so running statistics (and ``num_batches_tracked``) are updated once."""
-    return contextlib.nullcontext(), _ScratchBuffers(piece)
+    return contextlib.nullcontext(), recomputation(piece)
+
+
+def recomputation(piece: nn.Module) -> contextlib.AbstractContextManager:
+    """The context a checkpointed ``piece`` is recomputed in: scratch copies of its buffers, its
+    modules' ``RECOMPUTING`` flags raised (``gems.pipeline.compiled`` warms a unit up in it too)."""
+    return _ScratchBuffers(piece)
 
 
 class _ScratchBuffers:
-    """Buffers swapped for copies while a segment is recomputed. Re-entrant: a split backward
-    (``gems.pipeline.splitgrad``) may recompute a segment in each of its halves."""
+    """Buffers swapped for copies while a segment is recomputed, and ``RECOMPUTING`` flags raised.
+    Re-entrant: a split backward (``gems.pipeline.splitgrad``) may recompute a segment in each of
+    its halves."""
 
     # Copies rather than momentum tricks: exact for momentum=None (cumulative averages) and
     # for counters, and the real buffers see no write (so no version bump) at all.
     def __init__(self, piece: nn.Module) -> None:
         self.piece = piece
         self.real: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.flags: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> None:
         self.real = [(m, name, b) for m in self.piece.modules() for name, b in m.named_buffers(recurse=False)]
         for m, name, b in self.real:
             setattr(m, name, b.clone())
+        self.flags = [(m, getattr(m, RECOMPUTING)) for m in self.piece.modules() if hasattr(m, RECOMPUTING)]
+        for m, _ in self.flags:
+            setattr(m, RECOMPUTING, True)
 
     def __exit__(self, *exc) -> None:
         for m, name, b in self.real:
             setattr(m, name, b)
-        self.real = []
+        for m, flag in self.flags:
+            setattr(m, RECOMPUTING, flag)
+        self.real, self.flags = [], []

@@ -24,6 +24,10 @@ from gems.errors import GemsError
 MIN_OFFLOAD_BYTES = 64 * 1024
 
 
+# How a plan's stages hold 4-D tensors (Plan.memory_format): torch.contiguous_format, torch.channels_last.
+MEMORY_FORMATS = ("contiguous", "channels_last")
+
+
 @dataclass
 class StagePolicy:
     """How one stage trades time for memory (applied by the engine, chosen by the planner).
@@ -194,6 +198,12 @@ class Plan:
     spatial_grid: list[int] = field(default_factory=list)
     spatial_end: int = 0
     spatial_start: int = 0
+    # How stages hold 4-D tensors: "contiguous" (NCHW) or "channels_last" (NHWC); parameters,
+    # activations, gradients and messages alike (gems.plan.formats). The profile prices each.
+    memory_format: str = "contiguous"
+    # Each unit compiled by torch.compile before the first step (gems.pipeline.compiled): a compiled
+    # unit's backward is one autograd node, so such a stage's backward is never split.
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -293,6 +303,9 @@ class Plan:
                     or not all(_is_dtype(name) for name in dtypes)):
                 raise GemsError(f"stage {s}'s output shapes {shapes} and dtypes {dtypes} do not describe tensors: "
                                 "regenerate the plan with gems-plan --json")
+        if self.memory_format not in MEMORY_FORMATS:
+            raise GemsError(f"the plan's memory format {self.memory_format!r} is not one of {', '.join(MEMORY_FORMATS)}: "
+                            "fix the plan or regenerate it with gems-plan --json")
         if self.spatial_grid and not (len(self.spatial_grid) == 2 and min(self.spatial_grid) >= 1
                                       and 0 < self.spatial_end <= self.cuts[1]):
             raise GemsError(f"the plan's spatial part (grid {self.spatial_grid}, end unit {self.spatial_end}) is not a "

@@ -16,7 +16,8 @@ def table(plan) -> str:
     lines = [
         f"model {plan.model_name}, input {shape}, batch {plan.batch_size} "
         f"({plan.micro_batch_size} per micro-batch), {plan.groups} group(s), {plan.dtype}"
-        + (f" ({plan.amp} autocast)" if plan.amp != "none" else "") + f", {plan.optimizer}",
+        + (f" ({plan.amp} autocast)" if plan.amp != "none" else "")
+        + (f", {plan.memory_format}" if plan.memory_format != "contiguous" else "") + f", {plan.optimizer}",
         f"schedule {plan.schedule}, {plan.stages} stages, {plan.micro_batches} micro-batch(es) per replica, "
         f"balanced by {plan.balance_by}"
         + (f"; order: {plan.order}" if plan.order else "") + ("; split backward" if plan.split_backward else ""),

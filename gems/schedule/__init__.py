@@ -14,5 +14,5 @@ them, the planner prices them and the validator proves them -- one source of tru
     posting     when a position posts its receives (the wire order and a look-ahead)
     topology    where every rank sits: rank -> (group, position, tile), and who syncs with whom
     simulate    replays the action lists with costs to predict a step
-    sweep       simulated sweeps: weak scaling, every (schedule, K, m, D) of a world ranked
+    sweep       simulated sweeps: weak scaling, every (schedule, K, m, P, D) of a world ranked
 """

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from gems.plan import formats
 from gems.spatial.geometry import Range, intersect, parts
 from gems.spatial.tiles import TileGroup
 
@@ -70,7 +71,7 @@ def _join(x: torch.Tensor, tiles: TileGroup, h: Halo) -> tuple[torch.Tensor, lis
         if take:
             shape = list(x.shape)
             shape[h.dim] = take[1] - take[0]
-            recvs.append((peer, x.new_empty(shape)))
+            recvs.append((peer, formats.empty_as(x, shape)))
     tiles.exchange(sends, recvs, "a tile's halo")
     received = [b for _, b in recvs]
     return _assemble(x, tiles, h, received), received
@@ -89,7 +90,7 @@ def _assemble(x: torch.Tensor, tiles: TileGroup, h: Halo, received: list[torch.T
         if lo < hi:
             shape = list(x.shape)
             shape[h.dim] = hi - lo
-            pieces.append(x.new_full(shape, h.fill))
+            pieces.append(formats.empty_as(x, shape).fill_(h.fill))
     padding(want[0], min(want[1], 0))
     for q in range(len(members)):
         rows = intersect(owns[q], want)
@@ -114,9 +115,9 @@ def _start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo,
     own, want = owns[me], h.needs[me]
     mine = intersect(own, want)
     if mine is None:
-        gx = grad.new_zeros(shape)
+        gx = formats.empty_as(grad, shape).zero_()
     else:   # the rows the region read, copied; the others (a strided op's last) zero
-        gx = grad.new_empty(shape)
+        gx = formats.empty_as(grad, shape)
         _slice(gx, h.dim, mine, own[0]).copy_(_slice(grad, h.dim, mine, want[0]))
         for unread in ((own[0], mine[0]), (mine[1], own[1])):
             if unread[0] < unread[1]:
@@ -131,7 +132,7 @@ def _start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo,
         if give:
             shape_q = list(shape)
             shape_q[h.dim] = give[1] - give[0]
-            recvs.append((peer, grad.new_empty(shape_q), give))
+            recvs.append((peer, formats.empty_as(grad, shape_q), give))
     requests = tiles.post(sends, [(peer, b) for peer, b, _ in recvs])
 
     def finish() -> torch.Tensor:
@@ -228,7 +229,7 @@ class _Window(torch.autograd.Function):
         for h, n in zip(halos, counts):
             levels.append(_assemble(levels[-1], tiles, h, received[:n]))
             received = received[n:]
-        grad, needs = grad.contiguous(), ctx.needs_input_grad[:3]
+        grad, needs = formats.dense(grad), ctx.needs_input_grad[:3]
         if not needs[0]:
             return *op.backward(grad, levels[-1], weight, kept, needs), None, None, None
         # the input's gradient first, its halo rows on their way back while the weight's is computed:

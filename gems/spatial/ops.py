@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gems.plan import formats
 from gems.spatial.geometry import parts, transposed_covers, transposed_need, window_need
 from gems.spatial.halo import Conv, Halo, MaxPool, fetch, fetch_halo, window
 from gems.spatial.tiles import TileGroup, allreduce
@@ -275,7 +276,7 @@ def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
     mean and inverse deviation whenever it reduces (it asserts they are given)."""
     ones = torch.ones_like(mean) if weight is None else weight
     invstd = torch.rsqrt(var + eps)
-    _, dw, db = torch.ops.aten.native_batch_norm_backward(grad.contiguous(), x, ones, mean, var, mean, invstd,
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(formats.dense(grad), x, ones, mean, var, mean, invstd,
                                                           False, eps, [False, True, True])
     total = allreduce(torch.stack([db, dw]), tiles) / n   # mean(dy), mean(dy·x̂) per channel
     a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))

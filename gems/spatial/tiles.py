@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gems.comm import P2POp
+from gems.plan import formats
 from gems.spatial.geometry import Range, parts
 
 TILE_TAG = 1_000_000   # above every pipeline message tag (gems.schedule.ir.Message.tag), under MPICH's bound
@@ -78,7 +79,7 @@ class TileGroup:
 
     def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
         """Start ``exchange``'s messages without waiting; ``wait`` for the returned requests."""
-        ops = [P2POp("send", (t.contiguous(),), peer, TILE_TAG) for peer, t in sends]
+        ops = [P2POp("send", (formats.dense(t),), peer, TILE_TAG) for peer, t in sends]
         ops += [P2POp("recv", (t,), peer, TILE_TAG) for peer, t in recvs]
         return self.comm.ibatch(ops)
 
@@ -95,13 +96,13 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
         ctx.tiles = tiles
-        out = x.clone().contiguous()
+        out = formats.dense(x.clone())
         tiles.comm.allreduce(out, tiles.group, "a tile group's sum", tiles.backoff)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = grad.clone().contiguous()
+        out = formats.dense(grad.clone())
         ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum", ctx.tiles.backoff)
         return out, None
 
@@ -128,7 +129,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         tiles = ctx.tiles
         if not tiles.leader:
-            gs = [grads[0].new_empty(shape) for shape in ctx.tile_shapes]
+            gs = [formats.empty_as(grads[0], shape) for shape in ctx.tile_shapes]
             tiles.exchange([], [(tiles.ranks[0], g) for g in gs], "the gradient of a tile from the leader")
             return None, None, *gs
         return None, None, *_hand_out(tiles, grads, "a member to take its tile's gradient")
@@ -144,7 +145,7 @@ class _Scatter(torch.autograd.Function):
         ctx.tiles, ctx.shapes, ctx.inputs = tiles, shapes, len(xs)
         if tiles.leader:
             return tuple(_hand_out(tiles, xs, "a member to take its tile of a boundary", dtype))
-        mine = [xs[0].new_empty(tile_shape(shape, tiles, tiles.index), dtype=dtype) for shape in shapes]
+        mine = [formats.empty_as(xs[0], tile_shape(shape, tiles, tiles.index), dtype) for shape in shapes]
         tiles.exchange([], [(tiles.ranks[0], t) for t in mine], "the tiles of a boundary from the leader")
         return tuple(mine)
 
@@ -160,7 +161,7 @@ class _Scatter(torch.autograd.Function):
 
 def _assemble(tiles: TileGroup, mine, shapes, what: str) -> list[torch.Tensor]:
     """Leader: the whole tensors of ``shapes`` from its own tiles ``mine`` and every member's."""
-    wholes = [t.new_empty(shape) for t, shape in zip(mine, shapes)]
+    wholes = [formats.empty_as(t, shape) for t, shape in zip(mine, shapes)]
     recvs = []
     for whole, t in zip(wholes, mine):
         for index, peer in enumerate(tiles.ranks):
@@ -168,7 +169,7 @@ def _assemble(tiles: TileGroup, mine, shapes, what: str) -> list[torch.Tensor]:
             if index == 0:
                 view.copy_(t)
             else:
-                recvs.append((peer, view, t.new_empty(view.shape)))
+                recvs.append((peer, view, formats.empty_as(t, view.shape)))
     tiles.exchange([], [(peer, b) for peer, _, b in recvs], what)
     for _, view, b in recvs:
         view.copy_(b)

@@ -2,7 +2,8 @@
 
 Every field carries its help text; ``gems.cli.train`` turns the fields into flags
 (``batch_size`` -> ``--batch-size``), so adding an option is adding a field here.
-``validate`` checks the combinations no single flag can check.
+``validate`` checks the combinations no single flag can check. ``Recipe``, its base, holds the
+switches of how fast each stage runs, shared with gems-bench and gems-predict.
 """
 from __future__ import annotations
 
@@ -66,8 +67,63 @@ def model_kwargs(pairs: Iterable[str]) -> dict[str, Any]:
     return kwargs
 
 
+# On CPU, channels_last is opt-in: gems-bench measured it faster on this project's CPU machine (resnet18, one
+# rank, batch 2, medians of three launches: 3% at 256^2, 11% at 512^2; benchmarks/README.md, "The speed
+# recipe on CPU"), but the profile's NHWC scratch model (oneDNN) still overestimates a U-Net stage by 13%,
+# beyond the planner's 10%: the default stays NCHW on CPU until it does not.
+CPU_FORMAT = "contiguous"
+
+
 @dataclass
-class TrainConfig:
+class Recipe:
+    """The published recipe's switches (NVIDIA's ResNet-50 example, timm's --amp --channels-last
+    --torchcompile): bf16 autocast, NHWC (``gems.plan.formats``; default on CUDA, where cuDNN's
+    tensor-core kernels want it; on CPU ``CPU_FORMAT``), compiled units (``gems.pipeline.compiled``)
+    and cuDNN's autotuning (every shape here is fixed)."""
+
+    amp: str = opt("none", "mixed precision: run forwards in bfloat16", choices=("none", "bf16"))
+    channels_last: bool | None = opt(None, "hold parameters, activations and messages in channels_last (NHWC) "
+                                     "memory format (default: yes on CUDA, no on CPU)")
+    compile: bool = opt(False, "compile every unit with torch.compile before the first step (a unit that "
+                        "cannot be compiled runs eagerly, named once)")
+    compile_cache: str | None = opt(None, "directory for the compiler's caches, kept across runs (default: "
+                                    "CHECKPOINT_DIR/compile-cache for gems-train, else the compiler's own)")
+    cudnn_benchmark: bool = opt(True, "let cuDNN time its algorithms for each (fixed) shape on CUDA")
+
+    def memory_format(self, device_type: str) -> str:
+        """``"channels_last"`` or ``"contiguous"``: ``--channels-last`` if given, else by device."""
+        if self.channels_last is not None:
+            return "channels_last" if self.channels_last else "contiguous"
+        return "channels_last" if device_type == "cuda" else CPU_FORMAT
+
+    def apply(self, device_type: str, workspace: int | None = None) -> None:
+        """The process-wide part, once per process before any engine: cuDNN's autotuning, and with
+        ``workspace`` (bytes, e.g. the room a memory budget leaves above the plan's estimate) the most
+        convolution workspace cuDNN may take (PyTorch's ``CUDNN_CONV_WSCAP_DBG``, in MiB), so the
+        algorithms it tries stay within the budget."""
+        import os  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415 - the configuration itself loads no torch
+
+        torch.backends.cudnn.benchmark = bool(self.cudnn_benchmark) and device_type == "cuda"
+        if workspace is not None and device_type == "cuda":
+            os.environ["CUDNN_CONV_WSCAP_DBG"] = str(max(0, workspace) // 2**20)
+
+    def compiler(self, device_type: str, default_cache: str | None = None) -> None:
+        """With ``--compile``, before the first compile on every rank: GemsError, one sentence, when the
+        backend cannot work here (``gems.pipeline.compiled.check_backend``), and the compiler's caches
+        pointed at ``--compile-cache`` (else ``default_cache``; neither: the compiler's own)."""
+        if not self.compile:
+            return
+        from gems.pipeline import compiled  # noqa: PLC0415 - the configuration itself loads no torch
+
+        compiled.check_backend(device_type)
+        if self.compile_cache or default_cache:
+            compiled.use_cache(self.compile_cache or default_cache)
+
+
+@dataclass
+class TrainConfig(Recipe):
     # what to train
     model: str = opt("resnet18", MODEL_HELP)
     model_arg: tuple[str, ...] = opt((), MODEL_ARG_HELP, metavar="KEY=VALUE")
@@ -143,7 +199,6 @@ class TrainConfig:
     steps: int | None = opt(None, "optimizer steps to run (default: one epoch)")
     epochs: int | None = opt(None, "epochs to run (instead of --steps)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient L2 norm to this value")
-    amp: str = opt("none", "mixed precision: run forwards in bfloat16", choices=("none", "bf16"))
     skip_nonfinite: bool = opt(False, "skip a step whose loss is not finite instead of stopping")
     batch_norm: str = opt("micro-batch", "BatchNorm in training: micro-batch (PyTorch's behaviour on each "
                           "micro-batch), deferred (running statistics of the whole global batch, updated once "

@@ -17,6 +17,7 @@ from torch import nn
 from gems import partition
 from gems.errors import GemsError
 from gems.graph import graph_units
+from gems.plan import formats
 from gems.schedule import generators as sch, search
 from gems.schedule.topology import ranks_per_group
 from gems.train.config import TrainConfig
@@ -36,6 +37,12 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                 raise GemsError(f"{cfg.plan} was made for {key.replace('_', '-')} {getattr(plan, key)}, "
                                 f"not {value}: pass --{key.replace('_', '-')} {getattr(plan, key)} "
                                 "or make a new plan")
+        if cfg.channels_last is not None:   # the flag given: it decides the format, else the plan's stands
+            plan.memory_format = cfg.memory_format(device) if formats.takes_format(model) else "contiguous"
+        if cfg.compile and plan.split_backward:   # a compiled unit's backward is one node: it cannot be split
+            raise GemsError(f"{cfg.plan} splits the backward, which compiled units cannot: make the plan with "
+                            "gems-plan --compile or drop --compile")
+        plan.compiled = cfg.compile
         if plan.tiles != cfg.tiles():
             raise GemsError(f"{cfg.plan} was made for tile groups of {plan.tiles} rank(s), not {cfg.tiles()}: pass "
                             f"--spatial {'x'.join(map(str, plan.spatial_grid)) or 1} or make a new plan")
@@ -71,7 +78,18 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
-                          spatial=cfg.spatial)
+                          spatial=cfg.spatial, memory_format=cfg.memory_format(device), compile=cfg.compile)
+
+
+def workspace_room(plan: partition.Plan, position: int, tile: int) -> int | None:
+    """Bytes the memory budget leaves on this rank above the plan's estimate (its position's peak, a tile
+    group member's own, and what a GPU holds besides tensors): room for cuDNN's workspace beyond the
+    scratch the estimate counts. None without a budget."""
+    if plan.memory_budget is None:
+        return None
+    estimate = plan.positions[position]
+    peak = estimate.member_peak_bytes if tile and estimate.member_peak_bytes else estimate.peak_bytes
+    return plan.memory_budget - peak - plan.overhead_bytes
 
 
 def layouts(world: int, stages: int, schedule: str, micro_batches: int) -> Iterator[tuple[int, int, int]]:

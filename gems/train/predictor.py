@@ -31,13 +31,13 @@ from gems.errors import GemsError
 from gems.schedule import generators as sch
 from gems.schedule.topology import Topology
 from gems.train import checkpoint, images, outputs, regions, windows
-from gems.train.config import model_kwargs, opt, tile_count
+from gems.train.config import Recipe, model_kwargs, opt, tile_count
 from gems.train.data import PredictImages
 from gems.train.planning import layouts
 
 
 @dataclass
-class PredictConfig:
+class PredictConfig(Recipe):
     checkpoint_dir: str | None = opt(None, "the training run's --checkpoint-dir: its newest intact checkpoint is used")
     checkpoint: str | None = opt(None, "this checkpoint instead (e.g. CHECKPOINT_DIR/best/step-00001000)")
     data: str = opt(None, "a folder of images, or a folder with images/ (and masks/, ignored) to predict")
@@ -135,7 +135,9 @@ def prepare(cfg, comm) -> PredictJob:
     plan = partition.plan(model, input_shape=(3, size, size), batch_size=cfg.batch_size, stages=cfg.stages,
                           schedule=cfg.schedule, micro_batches=cfg.micro_batches, groups=topo.groups,
                           model_name=meta["model"], device=comm.device.type, comm=cfg.comm,
-                          leaf_modules=tuple(meta.get("leaf_module", ())), spatial=cfg.spatial)
+                          leaf_modules=tuple(meta.get("leaf_module", ())), spatial=cfg.spatial, amp=cfg.amp,
+                          memory_format=cfg.memory_format(comm.device.type), compile=cfg.compile)
+    cfg.compiler(comm.device.type)   # --compile: the backend checked, the caches in --compile-cache
     topo = Topology.of(plan, comm.size)   # a tiled suffix: members hold the last stage too
     held = topo.stages_of(comm.rank)
     units = range(min(plan.cuts[s] for s in held), max(plan.cuts[s + 1] for s in held))
@@ -159,8 +161,10 @@ def _probabilities(logits: torch.Tensor) -> torch.Tensor:
 def run(job: PredictJob) -> int:
     cfg, comm, meta = job.cfg, job.comm, job.meta
     from gems.pipeline.engine import Engine  # noqa: PLC0415
+    cfg.apply(comm.device.type)   # process-wide: cuDNN's autotuning
     engine = Engine(job.model, job.plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
-                    loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout)
+                    loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout,
+                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, compile=cfg.compile)
     job.model = None
     engine.load_state(job.state)
     job.state = None

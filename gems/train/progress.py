@@ -121,6 +121,8 @@ class Progress:
                                                    "median (first and last, memory-metered, steps left out)"),
             f"  throughput       {self.cfg.batch_size / median:.2f} images/s",
             f"  skipped images   {self.skipped}",
+            *([f"  recompiles       {self.engine.compiled.recompiles} after the warm-up (rank 0's compiled units)"]
+              if getattr(self.engine, "compiled", None) is not None else []),
             f"  peak memory per rank over the last step ({memory.kind(self.engine.device)}) vs plan estimate:",
         ]
         for rank, (measured, process) in enumerate(zip(self.measured, self.peaks)):

@@ -29,7 +29,7 @@ from gems.train.config import TrainConfig, model_kwargs
 from gems.train.data import TrainData
 from gems.train.losses import make_loss
 from gems.train.optim import learning_rate, make_optimizer
-from gems.train.planning import auto_tiles, check_task, make_plan
+from gems.train.planning import auto_tiles, check_task, make_plan, workspace_room
 from gems.train.progress import Progress
 from gems.train.validation import Validation
 from gems.units import format_size
@@ -181,6 +181,7 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     plan = chosen or make_plan(cfg, model, topo.groups, comm.device.type, loaded)
     # the planner may tile a suffix (one stage or mast: the same ranks, whose members then hold the last stage)
     topo = Topology.of(plan, comm.size)
+    cfg.apply(comm.device.type, workspace_room(plan, *topo.place(comm.rank)[1:]))   # cuDNN, process-wide
     check_task(cfg.task, plan.stage_output_shapes[-1][0], cfg.model)
     if plan.fits is False:
         worst = max(plan.positions, key=lambda p: p.peak_bytes)
@@ -198,6 +199,9 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
         raise GemsError("--enforce-memory-budget needs --memory-budget (or a --plan made with one)")
     if comm.rank == 0:
         print(f"gems-train: {split_line(cfg, topo)}", flush=True)
+        if cfg.channels_last and plan.memory_format != "channels_last":
+            print(f"gems-train: note: {cfg.model} has no 4-D parameters for --channels-last to change: it trains in "
+                  "the default (contiguous) format", flush=True)
         if validation is not None and plan.forward_bytes:
             need, position = plan.forward_worst(validation.batch_size)
             print(f"gems-train: validation in batches of {validation.batch_size}, forward-only steps estimated at "
@@ -233,6 +237,8 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
             mine = topo.stages_of(comm.rank)   # with a spatial suffix a member holds the last stage too
             units = range(min(plan.cuts[s] for s in mine), max(plan.cuts[s + 1] for s in mine))
             resume_state = checkpoint.load_stages(resume_from, units)
+    # --compile: the backend checked here, its caches kept beside the checkpoints (a resumed job reuses them)
+    cfg.compiler(comm.device.type, str(Path(cfg.checkpoint_dir) / "compile-cache") if cfg.checkpoint_dir else None)
     return Job(cfg, comm, topo, data, model, plan, resume_from, resume_state, loss, validation)
 
 
@@ -268,7 +274,8 @@ def run(job: Job) -> int:
     from gems.pipeline.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
     engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=job.loss, comm=comm,
                     timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
-                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, batch_norm=cfg.batch_norm)
+                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, batch_norm=cfg.batch_norm,
+                    compile=cfg.compile)
     job.model = None  # the engine keeps only this rank's stages
     start = 0
     if job.resume_state is not None:

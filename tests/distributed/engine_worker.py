@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this")
     p.add_argument("--side", type=int, default=SIDE, help="image height and width")
     p.add_argument("--policy", choices=POLICIES, default="none", help="memory policy of every stage")
+    p.add_argument("--memory-formats", default="contiguous", help="comma-separated plan memory formats to run")
     args = p.parse_args()
     torch.set_num_threads(1)
     comm = comm_lib.create(args.backend, timeout=60)
@@ -84,10 +85,11 @@ def main() -> None:
                 for m in map(int, args.micro_batches.split(",")):
                     if schedule == "mp" and m > 1:
                         continue
-                    line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol, args.clip,
-                               args.side, args.policy)
-                    if comm.rank == 0:
-                        print(line, flush=True)
+                    for memory_format in args.memory_formats.split(","):
+                        line = run(comm, args.mode, schedule, K, m, args.steps, args.rtol, args.clip,
+                                   args.side, args.policy, memory_format)
+                        if comm.rank == 0:
+                            print(line, flush=True)
 
 
 if __name__ == "__main__":
