@@ -145,14 +145,14 @@ def exit_status(main, argv: list) -> int:
     return status if isinstance(status, int) else (0 if status is None else 1)
 
 
-def cli_cases(cli: str, argvs: list[list], timeout: float = 120) -> list[dict]:
+def cli_cases(cli: str, argvs: list[list], timeout: float = 120, env: dict | None = None) -> list[dict]:
     """Run the ``main`` of module ``cli`` (e.g. "gems.cli.train") on each command line in turn, all in one
     fresh process (tests/distributed/cli_cases.py, an MPI singleton): per command line, ``{"code",
     "stdout", "stderr"}``. For what needs no process of its own: one interpreter and torch import instead
-    of one per command line."""
+    of one per command line. ``env``: variables set for that process besides the test's own."""
     argvs = [[str(a) for a in argv] for argv in argvs]
     result = subprocess.run([sys.executable, str(DISTRIBUTED / "cli_cases.py"), cli, json.dumps(argvs)], cwd=REPO,
-                            capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

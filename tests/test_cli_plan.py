@@ -161,7 +161,7 @@ def test_auto_policies_fit_a_budget_the_plain_plan_misses(capsys):
 
 
 def test_sweep_recommends_the_fastest_configuration_that_fits(capsys):
-    base = ["--model", "resnet18", "--num-classes", "10", "--image-size", "128", "--batch-size", "8"]
+    base = ["--model", "resnet18", "--num-classes", "10", "--image-size", "64", "--batch-size", "8"]
     assert main(base + ["--sweep", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     # schedule K m P D ranks step images/s peak unit policies

@@ -145,6 +145,8 @@ def test_sigusr1_saves_and_exits_with_code_3(signalled, one_process):
 
 BAD_INPUT = [
     (["--stages", "2"], "cannot form pipelines of 2 stages"),
+    # one_process runs with CXX naming no compiler: inductor's C++ backend cannot work (gems.pipeline.compiled)
+    (["--stages", "1", "--compile"], "--compile needs a C++ compiler for torch.compile's inductor backend on CPU"),
     (["--stages", "1", "--batch-size", "3"], "use a multiple of 2"),
     (["--stages", "1", "--model", "nosuchnet"], "nosuchnet"),
     (["--stages", "1", "--data", "/nonexistent/images"], "/nonexistent/images"),
@@ -179,7 +181,8 @@ def one_process(tmp_path_factory, signalled):
     """This module's command lines for one process, by name, through gems-train's main in one process
     (conftest.cli_cases), in order: a checkpoint of one step, resumes it must refuse, a dry run, every
     BAD_INPUT, then ``signalled``'s checkpoint resumed on another partition (K = 1, gpipe) from a plan
-    file gems-plan wrote, and that plan file under a schedule it was not made for."""
+    file gems-plan wrote, and that plan file under a schedule it was not made for. CXX names no compiler
+    there, so --compile is bad input."""
     root = tmp_path_factory.mktemp("one-process")
     (root / "empty").mkdir()
     plan = root / "plan.json"
@@ -201,7 +204,7 @@ def one_process(tmp_path_factory, signalled):
                              "2", "--plan", plan, "--steps", (step or 0) + 1, "--checkpoint-dir", ck, "--resume"],
         "plan-mismatch": [*BASE, "--batch-size", "4", "--stages", "1", "--plan", plan, "--steps", "1"],
     }
-    return dict(zip(cases, cli_cases("gems.cli.train", list(cases.values()))))
+    return dict(zip(cases, cli_cases("gems.cli.train", list(cases.values()), env={"CXX": "/nonexistent/c++"})))
 
 
 @pytest.mark.parametrize("index", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
