@@ -200,7 +200,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
                           memory_format=cfg.memory_format(comm.device.type), compile=cfg.compile)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, cfg.lr),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout,
-                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, compile=cfg.compile)
+                    autocast=cfg.autocast(), compile=cfg.compile)
     recorder = trace.Recorder(engine, keep=None)
     mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
     comm.barrier()

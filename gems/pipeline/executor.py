@@ -21,6 +21,7 @@ Every action is timed (``ActionTimer``) for traces and gems-bench.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 
@@ -42,13 +43,13 @@ class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
                  grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, member: bool = False, arrive=None) -> None:
+                 optimizer: torch.optim.Optimizer | None, member: bool,
+                 arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
         # a tile group's member (gems.pipeline.tiled): its stage-0 outputs are placeholders whose
         # backward waits for the tiles' gradients from the leader; it computes no loss
         self.member = member
-        # rows of the images -> stage 0's input on the device (this rank's tile, in the plan's format)
-        self.arrive = arrive or (lambda images: images.to(device, non_blocking=True))
+        self.arrive = arrive   # rows of the images -> stage 0's input on the device (the engine's)
         self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device

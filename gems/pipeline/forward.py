@@ -35,14 +35,14 @@ class Forwards:
 
     def __init__(self, comm, topology: Topology, plan, position: int, group: int,
                  runners: dict[int, StageRunner], batch_size: int, device: torch.device,
-                 autocast: torch.dtype | None, prefetch: int, member: bool = False, arrive=None) -> None:
+                 autocast: torch.dtype | None, prefetch: int, member: bool,
+                 arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
         self.routes = Routes.of(plan)
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips, plan.order)
         self.member = member   # a tile group's member: its tiled stages' forwards only (gems.pipeline.tiled)
-        # rows of the images -> stage 0's input on the device (this rank's tile, in the plan's format)
-        self.arrive = arrive or (lambda images: images.to(device, non_blocking=True))
+        self.arrive = arrive   # rows of the images -> stage 0's input on the device (the engine's)
         self.actions = member_actions(lists[position], set(runners)) if member else lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)

@@ -2,17 +2,17 @@
 and by tensor.
 
 ``"contiguous"`` is NCHW; ``"channels_last"`` is NHWC, the layout cuDNN's tensor-core convolutions and
-oneDNN's blocked kernels read without a transpose. A format chosen for a stage holds for every
+oneDNN's NHWC kernels read without a reorder. A format chosen for a stage holds for every
 tensor of it, and each path that allocates a tensor or makes one contiguous keeps it:
 
 - parameters: ``Module.to(memory_format=...)`` (``convert``) turns 4-D weights NHWC; the gradient
   bucket's views and the sharded optimizer's flat parameter buffer take each parameter's strides
   (``like``), so neither the gradients nor the parameters fall back to NCHW;
 - activations follow their inputs through convolutions, pointwise ops and ``torch.cat``; the images
-  enter NHWC (``dense``);
+  enter NHWC (the engine's ``Tensor.to(memory_format=...)``);
 - messages: a packed message's receive views carry the format's strides (``strides``), so the
   receiver's tensor has it with no permuting copy; spatial tiles and halos allocate and make
-  contiguous in the format of the tensor they come from (``format_of``, ``empty_as``).
+  contiguous in the format of the tensor they come from (``format_of``, ``empty_as``, ``dense``).
 """
 from __future__ import annotations
 
@@ -56,10 +56,9 @@ def format_of(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def dense(t: torch.Tensor, fmt: torch.memory_format | None = None) -> torch.Tensor:
-    """``t`` laid out densely in ``fmt`` (default: the format it already has); no copy when it is."""
-    fmt = format_of(t) if fmt is None else fmt
-    return t.contiguous(memory_format=fmt if t.dim() == 4 else torch.contiguous_format)
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out densely in the format it has (``format_of``); no copy when it is."""
+    return t.contiguous(memory_format=format_of(t))
 
 
 def empty_as(t: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -96,6 +96,12 @@ class Recipe:
             return "channels_last" if self.channels_last else "contiguous"
         return "channels_last" if device_type == "cuda" else CPU_FORMAT
 
+    def autocast(self):
+        """The dtype forwards run under with ``--amp`` (``Engine(autocast=...)``), or None."""
+        import torch  # noqa: PLC0415 - the configuration itself loads no torch
+
+        return torch.bfloat16 if self.amp == "bf16" else None
+
     def apply(self, device_type: str, workspace: int | None = None) -> None:
         """The process-wide part, once per process before any engine: cuDNN's autotuning, and with
         ``workspace`` (bytes, e.g. the room a memory budget leaves above the plan's estimate) the most

@@ -164,7 +164,7 @@ def run(job: PredictJob) -> int:
     cfg.apply(comm.device.type)   # process-wide: cuDNN's autotuning
     engine = Engine(job.model, job.plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
                     loss_fn=nn.CrossEntropyLoss(), comm=comm, timeout=cfg.timeout,
-                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, compile=cfg.compile)
+                    autocast=cfg.autocast(), compile=cfg.compile)
     job.model = None
     engine.load_state(job.state)
     job.state = None

@@ -274,7 +274,7 @@ def run(job: Job) -> int:
     from gems.pipeline.engine import Engine  # noqa: PLC0415 - keeps `gems-train --help` fast
     engine = Engine(job.model, plan, optimizer=make_optimizer(cfg), loss_fn=job.loss, comm=comm,
                     timeout=cfg.timeout, clip_grad_norm=cfg.clip_grad_norm,
-                    autocast=torch.bfloat16 if cfg.amp == "bf16" else None, batch_norm=cfg.batch_norm,
+                    autocast=cfg.autocast(), batch_norm=cfg.batch_norm,
                     compile=cfg.compile)
     job.model = None  # the engine keeps only this rank's stages
     start = 0
