@@ -170,9 +170,9 @@ class Engine:
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
                                  key, extras, self.grads.shard_groups if plan.shard_optimizer else None)
         self._routes = routes
-        self.compiled: compiling.CompiledUnits | None = None   # every unit compiled and warmed up, or eager
+        self.compiled: compiling.CompiledUnits | None = None   # the stages compiled and warmed up, or eager
         if compile:
-            self.compiled = compiling.CompiledUnits(self.stages, plan)
+            self.compiled = compiling.CompiledUnits(self.executor.runners, plan)
             self._warm_up(batches.rows_per_micro, training=True)
             for line in self.compiled.summary(comm):   # COLLECTIVE; rank 0's lines
                 print(f"gems: {line}", flush=True)
@@ -260,7 +260,7 @@ class Engine:
         return self._forwards[size]
 
     def _warm_up(self, rows: int, training: bool) -> None:
-        """Run every compiled unit once on inputs of ``rows`` images (``gems.pipeline.compiled``)."""
+        """Run every compiled run of units once on inputs of ``rows`` images (``gems.pipeline.compiled``)."""
         self.compiled.warm_up(lambda s: compiling.example_inputs(self.plan, self._routes, s, rows, self.device,
                                                                  self._arrive), rows, self.device, self.autocast,
                               training)

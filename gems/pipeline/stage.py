@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -135,8 +136,9 @@ class StageRunner:
         # model's units; a plain nn.Sequential's units declare none)
         meta = getattr(module[0], "meta", {}) if len(module) else {}
         self.inplace_inputs = frozenset(meta.get(INPLACE_INPUTS, ()))
+        made: dict[tuple[int, int, bool], Piece] = {}   # both kinds of forward share their common pieces
         self._pieces = {waiting: _pieces(module, first_unit,
-                                         checkpointed_segments(policy, waiting, first_unit + len(module)))
+                                         checkpointed_segments(policy, waiting, first_unit + len(module)), made)
                         for waiting in (True, False)}
         if pool is None and policy.offload:
             pool = HostPool(pin=device.type == "cuda")
@@ -148,19 +150,24 @@ class StageRunner:
         offload = self.offload is not None and waiting
         with self.offload.saving(key, inputs) if offload else contextlib.nullcontext():
             xs = inputs
-            for piece, recompute, run in self._pieces[waiting]:
-                if recompute:
-                    xs = checkpoint(functools.partial(run, piece), *xs, use_reentrant=False,
-                                    preserve_rng_state=True, context_fn=functools.partial(_contexts, piece))
+            for piece in self._pieces[waiting]:
+                if piece.recompute:
+                    xs = checkpoint(piece, *xs, use_reentrant=False, preserve_rng_state=True,
+                                    context_fn=functools.partial(_contexts, piece.module))
                 else:
-                    xs = run(piece, *xs)
+                    xs = piece(*xs)
         if offload:
             self.offload.keep_on_device(key, xs)
         return xs
 
     def recomputes(self, waiting: bool) -> bool:
         """Whether a forward (waiting or not) checkpoints any segment of this stage."""
-        return any(recompute for _, recompute, _ in self._pieces[waiting])
+        return any(piece.recompute for piece in self._pieces[waiting])
+
+    def pieces(self, waiting: bool) -> list[Piece]:
+        """The runs of units a forward (waiting or not) runs one after another; a piece both kinds
+        of forward run is one object (``gems.pipeline.compiled`` compiles each once)."""
+        return self._pieces[waiting]
 
     def prefetch(self, key: Key) -> None:
         """Start bringing back what the forward of ``key`` offloaded (the executor calls it as
@@ -169,31 +176,44 @@ class StageRunner:
             self.offload.prefetch(key)
 
 
-def _pieces(module: nn.Sequential, first_unit: int, segments: list[list[int]]) -> list[tuple]:
-    """The stage as consecutive runs of units, each with whether it runs under checkpoint and how it
-    runs: a checkpointed segment whose first unit writes its input in place runs on a copy of it
-    (checkpoint keeps the input itself to recompute from, and refuses one written after it kept it)."""
-    if not segments:
-        return [(module, False, _run)]   # the stage module itself, its own hooks included
+class Piece:
+    """A run of a stage's units that a forward runs as one: under checkpoint or not (``recompute``),
+    on copies of its inputs or not (``copies``: a checkpointed run whose first unit writes its input
+    in place -- checkpoint keeps the input itself to recompute from, and refuses one written after it
+    kept it). ``call`` runs the units: ``module`` itself (its own hooks included), or the units compiled
+    (``gems.pipeline.compiled``)."""
+
+    def __init__(self, module: nn.Sequential, first: int, recompute: bool) -> None:
+        self.module, self.first, self.recompute = module, first, recompute
+        self.copies = recompute and writes_inputs(_first_unit(module))
+        self.call: Callable = module
+
+    def __call__(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.copies:
+            xs = tuple(x.clone() for x in xs)
+        return as_tuple(self.call(unpack(xs)))
+
+
+def _pieces(module: nn.Sequential, first_unit: int, segments: list[list[int]],
+            made: dict[tuple[int, int, bool], Piece]) -> list[Piece]:
+    """The stage as consecutive pieces, checkpointed segments and the runs between them; ``made``:
+    the pieces made so far, by (first, end, recompute) in the stage, reused."""
+    def piece(lo: int, hi: int, recompute: bool) -> Piece:
+        if (lo, hi, recompute) not in made:
+            made[lo, hi, recompute] = Piece(module if (lo, hi) == (0, len(module)) else module[lo:hi],
+                                            first_unit + lo, recompute)
+        return made[lo, hi, recompute]
+
     pieces, at = [], 0
     for first, end in segments:
         lo, hi = first - first_unit, end - first_unit
         if at < lo:
-            pieces.append((module[at:lo], False, _run))
-        piece = module[lo:hi]
-        pieces.append((piece, True, _run_on_copies if writes_inputs(_first_unit(piece)) else _run))
+            pieces.append(piece(at, lo, False))
+        pieces.append(piece(lo, hi, True))
         at = hi
     if at < len(module):
-        pieces.append((module[at:], False, _run))
+        pieces.append(piece(at, len(module), False))
     return pieces
-
-
-def _run(piece: nn.Sequential, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return as_tuple(piece(unpack(xs)))
-
-
-def _run_on_copies(piece: nn.Sequential, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _run(piece, *(x.clone() for x in xs))
 
 
 def _first_unit(piece: nn.Sequential) -> nn.Module:

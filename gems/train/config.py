@@ -78,14 +78,14 @@ CPU_FORMAT = "contiguous"
 class Recipe:
     """The published recipe's switches (NVIDIA's ResNet-50 example, timm's --amp --channels-last
     --torchcompile): bf16 autocast, NHWC (``gems.plan.formats``; default on CUDA, where cuDNN's
-    tensor-core kernels want it; on CPU ``CPU_FORMAT``), compiled units (``gems.pipeline.compiled``)
+    tensor-core kernels want it; on CPU ``CPU_FORMAT``), compiled stages (``gems.pipeline.compiled``)
     and cuDNN's autotuning (every shape here is fixed)."""
 
     amp: str = opt("none", "mixed precision: run forwards in bfloat16", choices=("none", "bf16"))
     channels_last: bool | None = opt(None, "hold parameters, activations and messages in channels_last (NHWC) "
                                      "memory format (default: yes on CUDA, no on CPU)")
-    compile: bool = opt(False, "compile every unit with torch.compile before the first step (a unit that "
-                        "cannot be compiled runs eagerly, named once)")
+    compile: bool = opt(False, "compile the stages with torch.compile before the first step, one graph per "
+                        "run of units a forward runs as one (a unit that cannot be compiled runs eagerly, named once)")
     compile_cache: str | None = opt(None, "directory for the compiler's caches, kept across runs (default: "
                                     "CHECKPOINT_DIR/compile-cache for gems-train, else the compiler's own)")
     cudnn_benchmark: bool = opt(True, "let cuDNN time its algorithms for each (fixed) shape on CUDA")
