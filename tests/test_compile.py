@@ -1,7 +1,7 @@
-"""Compiled stages (gems.pipeline.compiled): every unit compiled before the first step trains as eager does.
+"""Compiled stages (gems.pipeline.compiled): stages compiled before the first step train as eager does.
 
 Each layout trains a tiny model of tests/equivalence.py for 3 steps on loopback ranks with every unit
-compiled (inductor, fixed shapes, one graph per unit), under a memory policy, and compares the state
+compiled (inductor, fixed shapes, one graph per run of units), under a memory policy, and compares the state
 and losses with eager within 1e-4 (fp32): with one process for the model without BatchNorm, with the
 eager engine on the same layout for the one with BatchNorm (whose statistics depend on the layout).
 Every rank then reports 0 recompiles: its units compiled in the warm-up and never again. The
@@ -50,15 +50,16 @@ def compile_cache(tmp_path_factory):
 
 
 def train(kind: str, schedule: str, K: int, m: int, D: int, policy: str, batch_norm: str, compile: bool,
-          evaluate: bool = False, autocast: torch.dtype | None = None) -> list[dict]:
-    """Every rank's losses, full state, recompiles after 3 steps (and the evaluation loss) on K x D loopback ranks."""
+          evaluate: bool = False, autocast: torch.dtype | None = None, steps: int = 3) -> list[dict]:
+    """Every rank's losses, full state, recompiles after ``steps`` steps (and the evaluation loss) on K x D
+    loopback ranks."""
     models, plans = eq.per_rank(kind, schedule, K, m, D, policy=policy)
 
     def rank(comm):
         engine = gems.Engine(models[comm.rank], plans[comm.rank], optimizer=eq.optimizer,
                              loss_fn=nn.CrossEntropyLoss(), comm=comm, batch_norm=batch_norm, compile=compile,
                              autocast=autocast)
-        losses = [engine.step(*eq.data(plans[0].batch_size, step)) for step in range(3)]
+        losses = [engine.step(*eq.data(plans[0].batch_size, step)) for step in range(steps)]
         result = {"losses": losses, "state": engine.state_dict(), "compiled": engine.compiled}
         if evaluate:
             result["evaluated"] = engine.evaluate([eq.data(plans[0].batch_size, 9)])["loss"]
@@ -93,6 +94,15 @@ def test_compiled_stages_train_like_eager(kind, schedule, K, m, D, policy, batch
     if evaluate:
         eager = train(kind, schedule, K, m, D, policy, batch_norm, compile=False, evaluate=True)[0]
         assert results[0]["evaluated"] == pytest.approx(eager["evaluated"], rel=1e-4)
+
+
+def test_forward_only_steps_compile_their_variant_alone():
+    """An engine that only evaluates (gems-predict) compiles no training variant: one graph per run."""
+    compiled_run, = train("transparency", "mp", 1, 1, 1, "none", "micro-batch", compile=True, evaluate=True, steps=0)
+    eager, = train("transparency", "mp", 1, 1, 1, "none", "micro-batch", compile=False, evaluate=True, steps=0)
+    units = compiled_run["compiled"]
+    assert len(units.runs) == 1 and units.graphs == 1 and units.recompiles == 0
+    assert compiled_run["evaluated"] == pytest.approx(eager["evaluated"], rel=1e-5)
 
 
 def test_under_autocast_nothing_recompiles(monkeypatch):

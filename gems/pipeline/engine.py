@@ -81,9 +81,11 @@ class Engine:
         memory_format: ``torch.channels_last`` (or ``"channels_last"``) holds 4-D parameters,
             activations, gradients and messages in NHWC (``gems.plan.formats``); default the
             plan's ``memory_format``.
-        compile: compile every unit before the first step (``gems.pipeline.compiled``); default
-            the plan's ``compiled``. ``engine.compiled`` then holds the units (``recompiles``: graphs
-            made after the warm-up, the units left eager); None when eager.
+        compile: compile the stages (``gems.pipeline.compiled``), warmed up as the first step
+            begins (a forward-only step's variant as the first such step begins: gems-predict
+            compiles no training variant); default the plan's ``compiled``. ``engine.compiled``
+            then holds the units (``recompiles``: graphs made after the warm-ups, the units left
+            eager); None when eager.
 
     A step whose loss is not finite is never applied: the optimizer is skipped, the step
     leaves no trace in the model's buffers and ``last_step_applied`` is False, so the caller
@@ -171,11 +173,9 @@ class Engine:
                                  key, extras, self.grads.shard_groups if plan.shard_optimizer else None)
         self._routes = routes
         self.compiled: compiling.CompiledUnits | None = None   # the stages compiled and warmed up, or eager
-        if compile:
+        self._warmed: set[tuple[int, bool]] = set()   # (rows, training) of the variants compiled so far
+        if compile:   # warmed up before the first step, or the first forward-only step (gems-predict)
             self.compiled = compiling.CompiledUnits(self.executor.runners, plan)
-            self._warm_up(batches.rows_per_micro, training=True)
-            for line in self.compiled.summary(comm):   # COLLECTIVE; rank 0's lines
-                print(f"gems: {line}", flush=True)
 
     @property
     def needs_images(self) -> bool:
@@ -220,6 +220,8 @@ class Engine:
         Ranks that need no images (or labels) may pass None.
         """
         batches = self.executor.batches
+        if self.compiled is not None:
+            self._warm_up(batches.rows_per_micro, training=True)
         images = batches.shard(images, "images", self.needs_images)
         labels = batches.shard(labels, "labels", self.needs_labels)
         self.grads.begin_step()
@@ -260,10 +262,17 @@ class Engine:
         return self._forwards[size]
 
     def _warm_up(self, rows: int, training: bool) -> None:
-        """Run every compiled run of units once on inputs of ``rows`` images (``gems.pipeline.compiled``)."""
+        """Run every compiled run of units once on inputs of ``rows`` images (``gems.pipeline.compiled``),
+        unless that variant ran already; after the first, rank 0 prints what compiled. COLLECTIVE."""
+        if (rows, training) in self._warmed:
+            return
         self.compiled.warm_up(lambda s: compiling.example_inputs(self.plan, self._routes, s, rows, self.device,
                                                                  self._arrive), rows, self.device, self.autocast,
                               training)
+        if not self._warmed:
+            for line in self.compiled.summary(self.comm):   # rank 0's lines
+                print(f"gems: {line}", flush=True)
+        self._warmed.add((rows, training))
 
     def evaluate(self, batches: Iterable, scores=None, batch_size: int | None = None) -> dict:
         """Forward-only pass over ``batches`` (``(images, targets)`` per global batch, or this group's
