@@ -21,9 +21,11 @@ im2col reorders no weight and the allowance is a weight copy too high.
 
     GEMS_ACCURACY_SIZE=160 python -m gems.partition.accuracy     # other image size (default 64)
     GEMS_ACCURACY_FORMAT=channels_last python -m gems.partition.accuracy   # NHWC (default contiguous)
+    GEMS_ACCURACY_AMP=bf16 python -m gems.partition.accuracy   # forwards under bf16 autocast
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 from collections.abc import Sequence
@@ -86,15 +88,16 @@ class Comparison:
 
 def compare(model: nn.Sequential, input_shape: Sequence[int], batch: int, cuts: Sequence[tuple[int, int]],
             name: str = "model", prof: ModelProfile | None = None,
-            memory_format: str = "contiguous") -> list[Comparison]:
+            memory_format: str = "contiguous", autocast: torch.dtype | None = None) -> list[Comparison]:
     """Estimated vs real bytes for each stage (lo, hi) of ``model`` (see module docstring), its
-    tensors in ``memory_format`` (the real run's and the profile's)."""
-    prof = prof or profile(model, input_shape, batch, memory_format=memory_format)
+    tensors in ``memory_format`` (the real run's and the profile's), forwards under ``autocast``."""
+    prof = prof or profile(model, input_shape, batch, memory_format=memory_format, autocast=autocast)
     formats.convert(model.train(), memory_format)
     torch.manual_seed(0)
     x = torch.randn(batch, *input_shape).contiguous(memory_format=formats.of_name(memory_format))
     inputs = [x]
-    with torch.no_grad():   # real inputs of every unit, without keeping graphs
+    cast = functools.partial(torch.autocast, "cpu", dtype=autocast, enabled=autocast is not None)
+    with torch.no_grad(), cast():   # real inputs of every unit, without keeping graphs
         for unit in model:
             inputs.append(unit(inputs[-1]))
     units = list(model)
@@ -104,8 +107,9 @@ def compare(model: nn.Sequential, input_shape: Sequence[int], batch: int, cuts: 
         est_params = sum(u.param_bytes for u in prof.units[lo:hi])
         est_act = prof.activation_bytes(lo, hi)
         est_peak = est_act + int(prof.working_matrix()[lo, hi])
-        out.append(Comparison(name, lo, hi, (est_params, params), (est_act, _real_activations(units, inputs[lo], lo, hi)),
-                              (est_peak, _real_peak(units, inputs[lo], lo, hi))))
+        with cast():
+            real = _real_activations(units, inputs[lo], lo, hi), _real_peak(units, inputs[lo], lo, hi, cast)
+        out.append(Comparison(name, lo, hi, (est_params, params), (est_act, real[0]), (est_peak, real[1])))
     return out
 
 
@@ -144,7 +148,7 @@ def _real_activations(units: list[nn.Module], x, lo: int, hi: int) -> int:
     return sum(kept.values())
 
 
-def _real_peak(units: list[nn.Module], x, lo: int, hi: int) -> int:
+def _real_peak(units: list[nn.Module], x, lo: int, hi: int, cast) -> int:
     """Peak bytes the CPU allocator holds during a real forward + backward of the stage (from
     the input's copy to the last gradient), above its parameters and gradients."""
     for unit in units[lo:hi]:   # steady state: gradients exist and accumulate (2nd micro-batch on)
@@ -152,7 +156,8 @@ def _real_peak(units: list[nn.Module], x, lo: int, hi: int) -> int:
             p.grad = torch.zeros_like(p)
     with PeakMeter("cpu") as meter:
         leaf = _leaf(x, lo > 0)
-        outs = [t for t in _tensors(_run(units, leaf, lo, hi)) if t.requires_grad]
+        with cast():
+            outs = [t for t in _tensors(_run(units, leaf, lo, hi)) if t.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         del leaf, outs
     for unit in units[lo:hi]:
@@ -181,14 +186,17 @@ def main() -> None:
 
     size, batch = int(os.environ.get("GEMS_ACCURACY_SIZE", 64)), 2
     memory_format = os.environ.get("GEMS_ACCURACY_FORMAT", "contiguous")
+    autocast = torch.bfloat16 if os.environ.get("GEMS_ACCURACY_AMP") == "bf16" else None
     models = [("toy", toy_model()), ("resnet18", build("resnet18", num_classes=10)),
               ("preact-resnet29", build("preact-resnet", depth=29, num_classes=10)),
               ("amoebanet-d(3,16)", build("amoebanet-d", num_classes=10, num_layers=3, num_filters=16))]
-    print(f"estimate / real at {batch}x3x{size}x{size}, float32, {memory_format}, CPU (ratio 1.000 = exact)")
+    precision = "bf16 autocast" if autocast else "float32"
+    print(f"estimate / real at {batch}x3x{size}x{size}, {precision}, {memory_format}, CPU (ratio 1.000 = exact)")
     print(f"{'model':20s} {'stage':>9s} {'params':>7s} {'activations (est, real MiB)':>30s} "
           f"{'peak over params+grads (est, real MiB)':>41s}")
     for name, model in models:
-        for c in compare(model, (3, size, size), batch, random_cuts(len(model), 3), name, None, memory_format):
+        for c in compare(model, (3, size, size), batch, random_cuts(len(model), 3), name, None, memory_format,
+                         autocast):
             act, peak = c.activations, c.peak
             print(f"{name:20s} {f'[{c.lo},{c.hi})':>9s} {_ratio(c.params):>7s} "
                   f"{_ratio(act):>7s} ({act[0] / 2**20:7.2f}, {act[1] / 2**20:7.2f}) "
