@@ -1,21 +1,36 @@
-"""Spatial parallelism's speed: one image split across 2 ranks against one rank and against plain
-model parallelism (mp), the same model and image, in one launch.
+"""Spatial parallelism against its ceiling: one image split across the ranks' tiles, against each
+rank training on its own tile alone, the same model and image, in one launch.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/spatial.py --model resnet18 --image-size 512
+    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/spatial.py --model unet --image-size 512
 
-Four runs of ``--steps`` training steps (after ``--warmup``), one image per step (``--batch-size``):
-``one rank`` (plain PyTorch on rank 0 while rank 1 waits), ``spatial`` (K = 1, the conv trunk --
-every unit before the global pooling -- on a 1x2 or 2x1 tile grid of both ranks, the head on the
-leader) and ``mp`` (K = 2, the planner's cut); and the ceiling: each rank a half image, plain PyTorch,
-both at once. Prints the median step of each and the ratios. The
-issue's figures: spatial >= 1.7x one rank and >= 1.6x mp. Not part of the installed package.
+Runs of ``--steps`` training steps (after ``--warmup``), ``--batch-size`` images per step, every
+rank in step:
+
+* ``ceiling`` -- each rank trains the model on its own tile of the image with plain PyTorch, all at
+  once: no halo, no statistics sums, no gather, no gradient allreduce. What the cores allow a
+  spatial run at best, shared memory bandwidth included: the *no-communication ceiling*.
+* ``spatial`` -- K = 1, the model's spatial part (``--end`` units; default as far as tiles reach,
+  ``gems.spatial.limit``) on the ``--grid`` of the ranks, the rest on the leader, the gradients
+  allreduced over the tile group (counted: it is part of the step).
+* ``one rank`` (``--one-rank``): plain PyTorch on the whole image on rank 0 while the others wait;
+  ``mp`` (``--mp``): K = ranks, the planner's cut.
+
+Prints the median step of each, spatial's ratio to the ceiling (issue 36 holds resnet18 at 512^2 on
+2 CPU ranks to at least 0.85), and where spatial's step goes on each rank, medians over the steps
+(``gems.obs.trace`` kinds, from the engine's timeline): compute (forward and backward less the
+waits inside them), the tile group's halo, statistics and gather waits, the gradient allreduce,
+the optimizer, the rest; ``--layers N``: the N layers that wait longest. Not part of the installed
+package.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
+import sys
 import time
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -23,21 +38,69 @@ from torch import nn
 import gems
 from gems import comm as comm_lib
 from gems import models, partition
+from gems.errors import GemsError
+from gems.graph import graph_units
+from gems.obs import trace
+from gems.spatial.geometry import parts
+from gems.spatial.limit import spatial_limit
 from gems.train.optim import sgd
 
 LR = 0.01   # every run's SGD (gems-bench's: momentum 0.9, fused where torch can)
+WAITS = sorted(set(trace.TILE_KINDS.values()))
+CATEGORIES = ["compute", *WAITS, "gradient allreduce", "optimizer", "rest"]
 
 
-def _steps(step, steps: int, warmup: int, comm) -> float:
-    """Median seconds of ``steps`` calls of ``step`` after ``warmup``, every rank in step."""
+def _steps(step, args, comm, after=None) -> float:
+    """Median seconds of ``args.steps`` calls of ``step`` after ``args.warmup``, every rank in step;
+    ``after(i)`` once each measured step is done."""
     times = []
-    for i in range(warmup + steps):
+    for i in range(args.warmup + args.steps):
         comm.barrier()
         start = time.perf_counter()
         step()
-        if i >= warmup:
+        if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            if after:
+                after(i)
     return statistics.median(times)
+
+
+def categories(spans: list[trace.Span], wall: float) -> dict[str, float]:
+    """Seconds of one step's timeline per category (module docstring)."""
+    found: dict[str, float] = defaultdict(float)
+    for label, a, b in spans:
+        k = trace.kind(label)
+        if k in ("forward", "backward"):
+            found["compute"] += b - a
+        elif k in WAITS:
+            found[k] += b - a
+            found["compute"] -= b - a   # inside a forward or backward
+        elif k == "sync":
+            found["gradient allreduce"] += b - a
+        elif k == "optimizer":
+            found["optimizer"] += b - a
+        else:
+            found["rest"] += b - a
+    found["rest"] += wall - sum(found.values())
+    return found
+
+
+def layer_waits(spans: list[trace.Span]) -> dict[str, float]:
+    """Seconds each labelled tile wait ("halo layer1_0.0.conv1") took in one step."""
+    found: dict[str, float] = defaultdict(float)
+    for label, a, b in spans:
+        if trace.kind(label) in WAITS:
+            found[label] += b - a
+    return found
+
+
+def _end(model: nn.Module, plan, grid: tuple[int, int], end: int | None) -> int:
+    """The spatial part's end: ``end`` units, or as far as tiles of ``grid`` reach."""
+    units = graph_units(copy.deepcopy(model), plan.input_shape, plan.batch_size)
+    reach = spatial_limit(list(units), plan.unit_names, (plan.batch_size, *plan.input_shape))
+    if end is not None and not 1 <= end <= reach.end:
+        raise GemsError(f"--end must be between 1 and {reach.end} units (how far tiles reach in this model), got {end}")
+    return reach.end_for(grid, end)
 
 
 def main() -> None:
@@ -45,63 +108,124 @@ def main() -> None:
     p.add_argument("--model", default="resnet18")
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--grid", default="2x1", help="the tile grid of the two ranks: 2x1 (rows) or 1x2")
+    p.add_argument("--grid", default=None, help="the tile grid of the ranks, RxC (default: the ranks in rows)")
+    p.add_argument("--end", type=int, default=None, help="units in the spatial part (default: as far as tiles reach)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=0, help="print the N layers whose tile waits are longest")
+    p.add_argument("--one-rank", action="store_true", help="also time plain PyTorch on the whole image on one rank")
+    p.add_argument("--mp", action="store_true", help="also time model parallelism (K = ranks, the planner's cut)")
     p.add_argument("--spin", action="store_true", help="waits poll without sleeping (a core per rank)")
     p.add_argument("--shard-optimizer", action="store_true",
-                   help="the spatial run's tiles share the optimizer step (reduce-scatter, half the update each)")
+                   help="the spatial run's tiles share the optimizer step (reduce-scatter, a share of the update each)")
     args = p.parse_args()
     comm = comm_lib.create("mpi", backoff=comm_lib.Backoff(0, 0) if args.spin else comm_lib.Backoff())
+    try:
+        run(args, comm)
+    except GemsError as error:
+        if comm.rank == 0:
+            print(f"benchmarks/spatial.py: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args, comm) -> None:
     torch.set_num_threads(1)
-    S, B = args.image_size, args.batch_size
+    S, B, P = args.image_size, args.batch_size, comm.size
+    rows, cols = (P, 1) if args.grid is None else _grid(args.grid)
+    if rows * cols != P:
+        raise GemsError(f"a {rows}x{cols} grid needs {rows * cols} ranks, but {P} were launched")
     torch.manual_seed(0)
-    model = models.build(args.model, num_classes=10)
-    x, y = torch.randn(B, 3, S, S), torch.randint(0, 10, (B,))
+    model = models.build(args.model, num_classes=10 if args.model.startswith("resnet") else 2)
+    plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=1, schedule="mp", device="cpu")
+    out = plan.stage_output_shapes[-1][0]   # per image: (classes,) or (classes, H, W)
+    x = torch.randn(B, 3, S, S)
+    y = torch.randint(0, out[0], (B, *out[1:]))
     loss_fn = nn.CrossEntropyLoss()
 
-    one = copy.deepcopy(model)
-    opt = sgd(one.parameters(), LR)
+    def plain(net, images, targets):
+        opt = sgd(net.parameters(), LR)
 
-    def single() -> None:
-        if comm.rank == 0:
+        def step() -> None:
             opt.zero_grad()
-            loss_fn(one(x), y).backward()
+            loss_fn(net(images), targets).backward()
             opt.step()
-    t_one = _steps(single, args.steps, args.warmup, comm)
+        return step
 
-    rows, cols = (int(v) for v in args.grid.split("x"))
-    # the ceiling on these cores: each rank its own half of the image (no halo, no sums, no
-    # gradient allreduce), both at once -- what two ranks can do at best, shared memory bandwidth included
-    half = x[:, :, :S // 2] if rows == 2 else x[:, :, :, :S // 2]
-    own = copy.deepcopy(model)
-    own_opt = sgd(own.parameters(), LR)
+    i, j = divmod(comm.rank, cols)
+    (r0, r1), (c0, c1) = parts(S, rows)[i], parts(S, cols)[j]
+    # the ceiling's targets: a per-pixel target is cut with its image, a label stays whole
+    tile_y = y[:, r0 * out[1] // S:r1 * out[1] // S, c0 * out[2] // S:c1 * out[2] // S] if len(out) == 3 else y
+    t_ceiling = _steps(plain(copy.deepcopy(model), x[:, :, r0:r1, c0:c1].clone(), tile_y), args, comm)
 
-    def halves() -> None:
-        own_opt.zero_grad()
-        loss_fn(own(half), y).backward()
-        own_opt.step()
-    t_half = _steps(halves, args.steps, args.warmup, comm)
-    plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=1, schedule="mp", device="cpu")
     plan.spatial_grid = [rows, cols]
-    plan.spatial_end = next(i for i, n in enumerate(plan.unit_names) if "avgpool" in n or n == "head")
+    plan.spatial_end = _end(model, plan, (rows, cols), args.end)
     plan.shard_optimizer = args.shard_optimizer
     plan.check()
     engine = gems.Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
-    t_spatial = _steps(lambda: engine.step(x, y), args.steps, args.warmup, comm)
+    timelines, walls, started = [], [], [0.0]
 
-    mp_plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=2, schedule="mp", device="cpu")
-    mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
-    t_mp = _steps(lambda: mp.step(x, y), args.steps, args.warmup, comm)
+    def spatial() -> None:
+        started[0] = time.perf_counter()
+        engine.step(x, y)
+
+    def keep(_: int) -> None:
+        walls.append(time.perf_counter() - started[0])
+        timelines.append(list(engine.timeline()))
+    t_spatial = _steps(spatial, args, comm, keep)
+    mine = {c: statistics.median(categories(s, w).get(c, 0.0) for s, w in zip(timelines, walls)) for c in CATEGORIES}
+    waits: dict[str, list[float]] = defaultdict(list)
+    for s in timelines:
+        for label, seconds in layer_waits(s).items():
+            waits[label].append(seconds)
+    per_rank = comm.allgather_object((mine, {k: statistics.median(v) for k, v in waits.items()}))
+    del engine
+
+    t_one = t_mp = None
+    if args.one_rank:
+        t_one = _steps(plain(copy.deepcopy(model), x, y) if comm.rank == 0 else lambda: None, args, comm)
+    if args.mp and P > 1:
+        mp_plan = partition.plan(copy.deepcopy(model), (3, S, S), B, stages=P, schedule="mp", device="cpu")
+        mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
+        t_mp = _steps(lambda: mp.step(x, y), args, comm)
     if comm.rank == 0:
-        print(f"{args.model} {S}x{S}, batch {B}, median of {args.steps} steps (after {args.warmup}):")
-        print(f"  one rank          {t_one * 1e3:9.1f} ms")
-        sharded = ", sharded" if args.shard_optimizer else ""
-        print(f"  spatial {rows}x{cols} (2 ranks{sharded}) {t_spatial * 1e3:9.1f} ms   "
-              f"{t_one / t_spatial:5.2f}x one rank   {t_mp / t_spatial:5.2f}x mp")
-        print(f"  mp K=2 (2 ranks)  {t_mp * 1e3:9.1f} ms   {t_one / t_mp:5.2f}x one rank")
-        print(f"  ceiling: a half image on each rank at once, plain PyTorch {t_half * 1e3:9.1f} ms   "
-              f"{t_one / t_half:5.2f}x one rank")
+        report(args, plan, (rows, cols), t_ceiling, t_spatial, t_one, t_mp, per_rank)
+
+
+def _grid(text: str) -> tuple[int, int]:
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise GemsError(f"--grid takes RxC (rows x columns of tiles, such as 2x1), got {text!r}") from None
+    return rows, cols
+
+
+def report(args, plan, grid, t_ceiling, t_spatial, t_one, t_mp, per_rank) -> None:
+    S, P = args.image_size, grid[0] * grid[1]
+    ms = lambda t: f"{t * 1e3:9.1f} ms"   # noqa: E731
+    print(f"{args.model} {S}x{S}, batch {args.batch_size}, {P} ranks, median of {args.steps} steps "
+          f"(after {args.warmup}):")
+    print(f"  ceiling: each rank its own tile, plain PyTorch, all at once {ms(t_ceiling)}")
+    sharded = ", optimizer sharded" if args.shard_optimizer else ""
+    print(f"  spatial {grid[0]}x{grid[1]}, units [0,{plan.spatial_end}) of {len(plan.unit_names)} tiled{sharded} "
+          f"{ms(t_spatial)}   {t_ceiling / t_spatial:5.3f} of the ceiling (gradient allreduce counted)")
+    if t_one is not None:
+        print(f"  one rank, the whole image {ms(t_one)}   spatial {t_one / t_spatial:5.2f}x one rank, "
+              f"the ceiling {t_one / t_ceiling:5.2f}x")
+    if t_mp is not None:
+        print(f"  mp K={P} {ms(t_mp)}   spatial {t_mp / t_spatial:5.2f}x mp")
+    print("  where spatial's step goes, ms (median over the steps):")
+    print("    " + "rank".ljust(6) + "".join(c.rjust(max(10, len(c) + 2)) for c in CATEGORIES))
+    for rank, (mine, _) in enumerate(per_rank):
+        print("    " + str(rank).ljust(6) + "".join(f"{mine[c] * 1e3:.1f}".rjust(max(10, len(c) + 2))
+                                                   for c in CATEGORIES))
+    if args.layers:
+        total: dict[str, float] = defaultdict(float)
+        for _, waits in per_rank:
+            for label, seconds in waits.items():
+                total[label] += seconds / P
+        print(f"  the {args.layers} longest tile waits, ms (mean over the ranks of the median step):")
+        for label, seconds in sorted(total.items(), key=lambda kv: -kv[1])[:args.layers]:
+            print(f"    {label:48s} {seconds * 1e3:7.2f}")
 
 
 if __name__ == "__main__":

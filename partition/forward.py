@@ -33,7 +33,9 @@ import numpy as np
 from gems.pipeline.routes import Routes
 from gems.schedule import ir
 from gems.schedule import generators as schedules
+from gems.schedule.members import member_lists
 from gems.schedule.posting import PREFETCH, Posting
+from gems.schedule.topology import Topology
 from .records import ModelProfile
 
 
@@ -73,16 +75,20 @@ def _alive(profile: ModelProfile, lo: int, hi: int) -> np.ndarray:
 
 
 def message_buffers(schedule: str, K: int, m: int, routes: Routes, rows: int, split: bool = False,
-                    prefetch: int = PREFETCH, order: str = "") -> list[int]:
+                    prefetch: int = PREFETCH, order: str = "", members: Topology | None = None) -> list[int]:
     """Per position, the most bytes of message buffers a training step may hold at one of its
     computations beyond what the stages keep anyway: receives posted ahead and not yet consumed
     (activations and gradients: a consumed one becomes the stage's input, or the gradient its
     backward starts from, priced there), and packed sends (``gems.pipeline.packing``) alive until
     their receiver has them -- counted, as above, until the receiver's consumption happens-before:
     an activation message is a copy of what the stage keeps, a gradient message outlives the
-    backward that made the gradients it packs."""
+    backward that made the gradients it packs. With ``members`` (the layout's topology): a tile
+    group member's, its tiles of the skips that go tile to tile (the largest tile's)."""
     lists = schedules.schedule(schedule, K, m, routes.skips, split, order)
-    alive = _messages_alive(lists, routes.message_bytes(rows), prefetch, at=ir.COMPUTE)
+    tile = members.tiles - 1 if members is not None else 0
+    if members is not None:
+        lists = member_lists(lists, members, routes.tile_edges)
+    alive = _messages_alive(lists, routes.message_bytes(rows, tile), prefetch, at=ir.COMPUTE)
     return [int(max(per.values(), default=0.0)) for per in alive]
 
 

@@ -1,4 +1,5 @@
-"""The memory-policy options a user gives (``--recompute``, ``--offload``, ``--host-bandwidth``):
+"""The memory-policy options a user gives (``--recompute``, ``--offload``, ``--host-bandwidth``,
+``--state-placement``):
 their values, their parsing and validation, the policy kinds they allow, and their words in
 messages.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 from gems.errors import GemsError
+from gems.plan import PLACEMENT_CHOICES
 from gems.units import parse_size
 
 HOST_BANDWIDTH = 12e9        # bytes/s each way between device and host: PCIe 3 x16 class
@@ -25,6 +27,15 @@ def check_modes(recompute: object, offload: object) -> None:
     for flag, value in (("recompute", recompute), ("offload", offload)):
         if value not in MODES:
             raise GemsError(f"--{flag} must be one of {', '.join(MODES)}, got {value!r}")
+
+
+def check_placement(placement: object) -> None:
+    """Raise GemsError unless ``placement`` is one of ``PLACEMENT_CHOICES`` that the runtime has."""
+    if placement not in PLACEMENT_CHOICES:
+        raise GemsError(f"--state-placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {placement!r}")
+    if placement == "host":
+        raise GemsError("--state-placement host (parameters in host memory too) is not built yet: use device, "
+                        "host-optimizer or auto")
 
 
 def kinds(recompute: str, offload: str, device: str, budgeted: bool) -> list[str]:

@@ -22,6 +22,7 @@ with ``comm`` given, the plan reports it apart from the tensor peaks and leaves 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -29,17 +30,20 @@ from torch import nn
 
 from gems.errors import GemsError
 from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
-from gems.pipeline.routes import Routes
+from gems.pipeline.routes import Routes, tiled_sources
 from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
 from gems.plan import formats
 from gems.schedule import generators as schedules
 from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
+from gems.schedule.topology import Topology, ranks_per_group
 from gems.units import format_size, parse_size
 from .backward import choose, predicted_step, split_mode
 from .budget import relax, smallest_fitting
 from .costs import BALANCE_BY, CostModel, highest, unit_seconds
 from .forward import forward_bytes, message_buffers
-from .options import HOST_BANDWIDTH, check_modes, kinds, parse_bandwidth
+from .options import HOST_BANDWIDTH, check_modes, check_placement, kinds, parse_bandwidth
+from .placement import (HOST, check_host_budget, host_seconds, host_state, on_device_where_it_fits, slowest_host,
+                        stage_state)
 from .order import fastest_order
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
@@ -65,7 +69,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          leaf_modules: Sequence[type[nn.Module] | str] = (), split_backward: bool | str | None = False,
          shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
          spatial_end: int | None = None, spatial_start: int | None = None, memory_format: str = "contiguous",
-         compile: bool = False) -> Plan:
+         compile: bool = False, state_placement: str = "device",
+         host_memory_budget: int | str | None = None) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -103,6 +108,11 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     ``memory_format`` ("contiguous" or "channels_last", ``gems.plan.formats``): how the stages will lay
     out their 4-D tensors, which the profile runs in (kernels take different scratch memory); a model
     without 4-D parameters stays contiguous, with a note.
+    ``state_placement`` ("device", "host-optimizer" or "auto"): where every stage's model state lives
+    (``StagePolicy.state_placement``, priced by ``gems.partition.placement``); "auto", with a memory budget
+    that the state on the device misses, plans every stage on the host and brings back to the device each
+    stage that still fits. ``host_memory_budget`` (bytes or "64GiB" per rank; None: unbounded) bounds host
+    memory for model state and offloaded activations.
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -128,6 +138,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         raise GemsError(f"batch size {batch_size} does not split into {groups} group(s) x {replicas} replica(s) x "
                         f"{m} micro-batch(es): use a multiple of {parts}")
     check_modes(recompute, offload)
+    check_placement(state_placement)
+    host_budget = None if host_memory_budget is None else parse_size(host_memory_budget)
+    if host_budget is not None and host_budget <= 0:
+        raise GemsError("the host memory budget must be positive, e.g. 64GiB")
     if device not in ("cuda", "cpu"):
         raise GemsError(f"the device to plan for must be 'cuda' or 'cpu', got {device!r}")
     bandwidth = parse_bandwidth(host_bandwidth)
@@ -190,17 +204,19 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     sharers = groups * sum(0 in schedules.holds(schedule, K, p) for p in range(K)) if shard_optimizer else 1
     allowed = kinds(recompute, offload, device, budget is not None)
 
-    def job(tiles: Tiling | None) -> _Job:
-        """What every plan with this spatial part (None: none) shares: the profile and prices of the rank
-        that holds the most, a tile group's leader, and of its other ranks (``gems.partition.spatial``)."""
+    def job(tiles: Tiling | None, placement: str) -> _Job:
+        """What every plan with this spatial part (None: none) and state placement shares: the profile and
+        prices of the rank that holds the most, a tile group's leader, and of its other ranks
+        (``gems.partition.spatial``)."""
         share = [sharers * (tiles.tiles if tiles and shard_optimizer and tiles.tiled(u) else 1) for u in range(n)]
         p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(share)
+        p = p.on_host() if placement == HOST else p   # cut and fitted as the device holds it
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
         def priced(q: ModelProfile) -> PolicyModel:
             return PolicyModel(q, device, *unit_seconds(q, rate, times), bandwidth, tiles.barriers if tiles else ())
         member = priced(tiled_profile(prof, tiles, member=True).sharded(share)) if tiles else None
         return _Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
-                    member)
+                    member, placement, share)
 
     def solved(job: _Job, split: bool) -> Plan:
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
@@ -217,9 +233,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
                                 made.policies)
         return fastest_order(made, reordered)
 
-    plain = job(None)
-
-    def planned(split: bool) -> tuple[Plan, str]:
+    def planned(split: bool, plain: _Job) -> tuple[Plan, str]:
         """The plan with the backward split or not, and what --spatial auto could not do."""
         result = solved(plain, split) if request in (None, "auto") else None
         why = ""   # for the error when nothing fits
@@ -228,14 +242,28 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
                                   suffixes and spatial_start != 0)   # kept with the profiles: once per size
             why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
                    f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
-            tiled = search(lambda tiles: solved(job(tiles), split), reach, request, spatial_end, prof, K, cuts, tail)
+            tiled = search(lambda tiles: solved(job(tiles, plain.placement), split), reach, request, spatial_end, prof,
+                           K, cuts, tail)
             if tiled is not None and result is not None:
                 tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
                                    f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
             result = tiled or result
         return result, why
 
-    result, why = choose(planned) if split_backward is None else planned(split_backward)
+    def placed(placement: str) -> tuple[Plan, str, _Job]:
+        plain = job(None, placement)
+        made, why = (choose(lambda split: planned(split, plain)) if split_backward is None
+                     else planned(split_backward, plain))
+        return made, why, plain
+
+    result, why, plain = placed(HOST if state_placement == HOST else "device")
+    if state_placement == "auto" and budget is not None and not result.fits:
+        lean = placed(HOST)
+        if lean[0].fits:
+            result, why, plain = on_device_where_it_fits(lean[0], plain.room), lean[1], lean[2]
+        elif lean[0].peak_bytes < result.peak_bytes:
+            result, why, plain = lean
+    check_host_budget(result, host_budget)
     if budget is not None and not result.fits and not result.spatial_grid:
         try:
             result.smallest_fitting_stages = smallest_fitting(plain.prof, schedule, K, m, plain.room, name,
@@ -296,8 +324,11 @@ class _Job:
     def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
                  shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
                  overhead: dict[str, int], amp: str, unit_times: Sequence[float] | None,
-                 tiling: Tiling | None, member: PolicyModel | None = None) -> None:
+                 tiling: Tiling | None, member: PolicyModel | None = None, placement: str = "device",
+                 shares: Sequence[int] = ()) -> None:
         self.prof, self.units, self.policies, self.member, self.name = prof, units, policies, member, name
+        self.placement = placement   # of every stage's model state (gems.partition.placement)
+        self.shares = list(shares) or [1] * len(prof)   # per unit, the ranks sharing its optimizer
         self.shape, self.batch_size, self.groups, self.budget, self.rate = shape, batch_size, groups, budget, rate
         self.overhead, self.amp, self.unit_times, self.tiling = overhead, amp, unit_times, tiling
         self.room = None if budget is None else budget - sum(overhead.values())
@@ -305,11 +336,14 @@ class _Job:
         self._sending: dict[tuple, list[int]] = {}
 
     def edges(self, cuts: Sequence[int]) -> Routes:
-        """The messages between the stages of these cuts (``gems.pipeline.routes``)."""
-        units, K = self.prof.units, len(cuts) - 1
+        """The messages between the stages of these cuts (``gems.pipeline.routes``), the skips of a
+        spatial part that go tile to tile as tiles."""
+        units, K, tiles = self.prof.units, len(cuts) - 1, self.tiling
         return Routes(stage_routes(self.units, cuts),
                       [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)],
-                      [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)])
+                      [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)],
+                      tiled=tiled_sources(self.units, cuts, tiles.end, tiles.start) if tiles else (),
+                      grid=tiles.grid if tiles else (1, 1))
 
     def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
         """Per position, message buffers beyond the stages' own tensors at most (``message_buffers``)."""
@@ -322,6 +356,7 @@ class _Job:
     def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
                  policies: list[StagePolicy]) -> Plan:
         K, units, prices = costs.K, self.prof.units, self.policies
+        policies = [replace(p, state_placement=self.placement) for p in policies]
         edges = self.edges(cuts)
         sent = edges.message_bytes(self.prof.micro_batch_size)   # per edge: packed forward message
         stage_estimates, on = [], []
@@ -331,10 +366,11 @@ class _Job:
             part, policy = units[lo:hi], policies[s]
             mem = prices.memory(lo, hi, policy)
             on.append(costs.stage(cuts, s, policy))
+            optimizer, host, swap, updated = stage_state(part, policy.state_placement, self.shares[lo:hi])
             stage_estimates.append(StageEstimate(
                 stage=s, first_unit=lo, end_unit=hi, unit_names=[u.name for u in part],
                 param_bytes=sum(u.param_bytes for u in part), grad_bytes=sum(u.grad_bytes for u in part),
-                optimizer_bytes=sum(u.optimizer_bytes for u in part), buffer_bytes=sum(u.buffer_bytes for u in part),
+                optimizer_bytes=optimizer, buffer_bytes=sum(u.buffer_bytes for u in part),
                 activation_bytes=mem.kept, transient_bytes=int(self.working[lo, hi]),
                 input_bytes=sum(b for (_, j), b in sent.items() if j == s),
                 output_bytes=sum(b for (i, _), b in sent.items() if i == s),
@@ -343,7 +379,9 @@ class _Job:
                 plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
                 extra_seconds=sum(c.seconds for c in on[s].values()),
                 spatial_seconds=tiles.seconds if tiles and s == 0 else 0.0,
-                split_bytes=costs.between(cuts, s, policy)))
+                split_bytes=costs.between(cuts, s, policy), host_state_bytes=host, swap_bytes=swap,
+                host_seconds=host_seconds(updated, sum(u.grad_bytes for u in part), self.prof.optimizer,
+                                          prices.host_bandwidth) if host else 0.0))
         positions = []
         sending = self.sending(costs, cuts)
         for p in range(K):
@@ -369,8 +407,16 @@ class _Job:
                 flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
                 plain_peak_bytes=static + plain_activations + plain_transient + sending[p],
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
-        for p, peak in enumerate(member_peaks(self.member, costs, cuts, policies, tiles) if tiles else []):
-            positions[p].member_peak_bytes = peak
+        P, suffix = (tiles.tiles, bool(tiles.start)) if tiles else (1, False)
+        ranks = Topology(ranks_per_group(K, costs.schedule, P, suffix), K, costs.schedule, P, suffix)
+        if tiles:   # a member's peak, its receives and sends of the skips' tiles (gems.pipeline.routes) included
+            buffers = message_buffers(costs.schedule, K, costs.m, edges, self.prof.micro_batch_size, costs.split,
+                                      order=costs.order, members=ranks)
+            for p, peak in enumerate(member_peaks(self.member, costs, cuts, policies, tiles)):
+                positions[p].member_peak_bytes = peak + buffers[p] if peak else 0
+        lists = schedules.schedule(costs.schedule, K, costs.m, edges.skips, costs.split, costs.order)
+        for p, got in enumerate(edges.received_bytes(lists, ranks, self.prof.micro_batch_size)):
+            positions[p].received_bytes = got
         mean = float(np.mean(loads))
         fits = None if self.room is None else max(p.peak_bytes for p in positions) <= self.room
         result = Plan(
@@ -389,6 +435,7 @@ class _Job:
             order=costs.order or schedules.variant(costs.schedule, K, costs.m, costs.split),
             spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0,
             spatial_start=tiles.start if tiles else 0)
+        result.state_host_bytes = host_state(result)
         policed = any(p.kind != "none" for p in policies)
         if policed or tiles:
             timed = costs_from_plan(result, self.rate, 1.0)
@@ -397,4 +444,8 @@ class _Job:
             runs = result.micro_batches * schedules.replicas(result.schedule)
             timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
             result.plain_step_seconds = predicted_step(result, timed)
+        if result.state_host_bytes:   # the host updates and copies back follow the step's sync
+            result.step_seconds = (result.step_seconds or predicted_step(result)) + slowest_host(result)
+            if result.plain_step_seconds is not None:
+                result.plain_step_seconds += slowest_host(result)
         return result

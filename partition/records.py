@@ -51,6 +51,7 @@ class UnitProfile:
     eval_working: int         # peak of new allocations of a forward-only step's forward (no_grad, eval mode)
     captured_bytes: int = 0   # gradients a split backward keeps between its halves (the outputs of
                               # the ops its trainable parameters enter: ``tracking.WeightedOutputs``)
+    host_optimizer_bytes: int = 0   # optimizer state that ``ModelProfile.on_host`` moved off the device
 
     @property
     def static_bytes(self) -> int:
@@ -106,6 +107,13 @@ class ModelProfile:
             return self
         return replace(self, units=[replace(u, optimizer_bytes=-(-u.optimizer_bytes // n))
                                     for u, n in zip(self.units, per_unit)])
+
+    def on_host(self) -> ModelProfile:
+        """This profile as the device holds it with every unit's optimizer state in host memory
+        (``--state-placement host-optimizer``): ``optimizer_bytes`` moved to ``host_optimizer_bytes``."""
+        return replace(self, units=[replace(u, optimizer_bytes=0,
+                                            host_optimizer_bytes=u.host_optimizer_bytes + u.optimizer_bytes)
+                                    for u in self.units])
 
     def activation_bytes(self, lo: int, hi: int) -> int:
         """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""

@@ -19,6 +19,8 @@ as usual::
     the image         a tile / P: the engine moves only this rank's tile of the batch to the device
     the gathered boundary at ``end``, and all after it up to a suffix: full; while gathering (or
                       scattering) a boundary, the other tiles' share of it in receive buffers
+    a skip from the prefix to a suffix on another stage that no unit between reads: a tile, never
+                      gathered or scattered (``gems.spatial.stage.tile_skips``: it goes tile to tile)
     parameters, gradients, optimizer state, buffers: full on every member
 
 Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
@@ -71,7 +73,8 @@ def parse_spatial(value: object) -> int | tuple[int, int] | str | None:
 class Tiling:
     """A spatial part to price: the grid, its end (and a suffix's start, 0: none), and per
     micro-batch bytes a rank fetches per unit (halo) and the leader gathers at ``end`` (and
-    scatters at ``start``, gathers at the output)."""
+    scatters at ``start``, gathers at the output); ``skipped``: bytes per micro-batch of the skips
+    that go tile to tile, neither gathered nor scattered (0: none)."""
 
     grid: tuple[int, int]
     end: int
@@ -81,6 +84,7 @@ class Tiling:
     gather: int
     messages: int          # halo, gather and scatter messages of one rank per forward
     start: int = 0
+    skipped: int = 0
 
     @property
     def tiles(self) -> int:
@@ -93,6 +97,10 @@ class Tiling:
 
     def tiled(self, unit: int) -> bool:
         return unit < self.end or 0 < self.start <= unit
+
+    def skips(self, s: Storage) -> bool:
+        """Whether storage ``s`` is a skip that goes tile to tile (counted in ``skipped``)."""
+        return bool(self.skipped) and _skip(s, self.end, self.start)
 
     @property
     def seconds(self) -> float:
@@ -108,9 +116,10 @@ def choose_grid(reach: Reach, tiles: int, end: int) -> tuple[int, int] | None:
     return min(fitting, key=lambda g: sum(w.traffic(g) for w in reach.windows if w.unit < end), default=None)
 
 
-def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, suffix: Reach | None = None) -> Tiling:
-    """The Tiling of units [0, end) (and a ``suffix`` reach's units) on ``grid``, bytes at the
-    profile's dtype."""
+def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, suffix: Reach | None = None,
+           stages: int = 1) -> Tiling:
+    """The Tiling of units [0, end) (and a ``suffix`` reach's units) on ``grid`` of a plan of
+    ``stages`` stages, bytes at the profile's dtype."""
     itemsize = _itemsize(prof.dtype)
     halo, copies = [0] * len(prof), [(0, 0)] * len(prof)
     messages = 0
@@ -120,11 +129,18 @@ def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, su
         messages += 2 * sum(1 for count, extra in zip(grid, w.halos(grid)) if count > 1 and extra)
     P = grid[0] * grid[1]
     boundary = prof.boundary_bytes()
+    skipped = sum(s.nbytes for s in prof.storages if _skip(s, end, suffix.first)) if suffix and stages > 1 else 0
     # gathered at the end, and with a suffix scattered at its start and the model's output gathered
-    moved = [int(boundary[end])] + ([int(boundary[suffix.first]), prof.units[-1].output_bytes] if suffix else [])
+    moved = [int(boundary[end]) - skipped] + ([int(boundary[suffix.first]) - skipped, prof.units[-1].output_bytes]
+                                              if suffix else [])
     gather = sum((P - 1) * _share(b, P) for b in moved)
     return Tiling(tuple(grid), end, halo, copies, gather, messages + (P - 1) * len(moved),
-                  suffix.first if suffix else 0)
+                  suffix.first if suffix else 0, skipped)
+
+
+def _skip(s: Storage, end: int, start: int) -> bool:
+    """Whether storage ``s`` crosses from the prefix's end to the suffix's start untouched between."""
+    return end - 1 in s.boundaries and start - 1 in s.boundaries and not any(end <= u < start for u in s.touchers())
 
 
 def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelProfile:
@@ -136,14 +152,15 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
 
     def tiled(s: Storage) -> bool:   # held as tiles: made (or the image), read and saved inside a tiled range
         prefix = all(b < end - 1 for b in s.boundaries) and max(s.touchers()) < end
-        return prefix or (start > 0 and all(b >= start for b in s.boundaries) and min(s.touchers()) >= start)
+        return prefix or (start > 0 and all(b >= start for b in s.boundaries) and min(s.touchers()) >= start) \
+            or t.skips(s)
     # the leader's receive (and send) buffers of the other tiles while it gathers (scatters) a boundary,
     # forward and backward
     boundary, moving = prof.boundary_bytes(), [0] * len(prof)
     if not member:
-        moving[end - 1] = (P - 1) * _share(int(boundary[end]), P)
+        moving[end - 1] = (P - 1) * _share(int(boundary[end]) - t.skipped, P)
         if start:
-            moving[start] += (P - 1) * _share(int(boundary[start]), P)
+            moving[start] += (P - 1) * _share(int(boundary[start]) - t.skipped, P)
             moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
     untiled = (lambda u: replace(u, **dict.fromkeys(_HELD, 0))) if member else (lambda u: u)
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
@@ -279,7 +296,7 @@ def search(solve: Callable[[Tiling], Plan], reach: Reach, request: int | tuple[i
                 options.append(solve(tiling(reach, grid, e, prof)))
             for tail in (suffixes.after(e, cuts) if suffixes else []):
                 if _covers(tail, grid):
-                    options.append(solve(tiling(reach, grid, e, prof, tail)))
+                    options.append(solve(tiling(reach, grid, e, prof, tail, stages)))
         if not options and suffixes is not None and suffixes.start is not None:
             raise GemsError(f"the spatial suffix cannot start at unit {suffixes.start}: it must start after the "
                             f"prefix's end, inside the last stage and before unit {len(prof)}; give another start")

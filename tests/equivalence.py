@@ -18,6 +18,7 @@ steps run in the rank threads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -91,15 +92,16 @@ _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partiti
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
               batch: int | None = None, split: bool | None = False, shard: bool = False,
-              order: str = "", memory_format: str = "contiguous") -> partition.Plan:
-    """The plan of ``build(kind)`` for this layout, every stage under ``policy`` (and the schedule
-    search's ``order`` when given). Profiles with fake tensors (each micro-batch size once per
-    kind): call it in the main thread."""
+              order: str = "", memory_format: str = "contiguous", placement: str = "device") -> partition.Plan:
+    """The plan of ``build(kind)`` for this layout, every stage under ``policy`` with its model state
+    at ``placement`` (on the cuts of the state on the device, so that placements compare bit for bit;
+    and the schedule search's ``order`` when given). Profiles with fake tensors (each micro-batch size
+    once per kind): call it in the main thread."""
     batch = batch_size(schedule, m, D) if batch is None else batch
     plan = partition.plan(build(kind), input_shape=(3, side, side), batch_size=batch, stages=K,
                           schedule=schedule, micro_batches=m, groups=D, split_backward=split, shard_optimizer=shard,
                           profiles=_PROFILES.setdefault((kind, side), {}))
-    plan.policies = policies(policy, plan.cuts)
+    plan.policies = [dataclasses.replace(p, state_placement=placement) for p in policies(policy, plan.cuts)]
     plan.order = order or plan.order
     plan.memory_format = memory_format
     return plan
@@ -109,14 +111,21 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+OPTIMIZERS = {"sgd": optimizer, "adamw": adamw}   # SGD with momentum (the default), AdamW
+
+
 @functools.lru_cache(maxsize=None)
 def reference(kind: str, batch: int, steps: int | tuple[int, ...], clip: float | None = None,
-              side: int = SIDE) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """One process trains ``build(kind)`` on the global batches ``data(batch, i)`` for i in
-    ``range(steps)`` (or in ``steps``, a tuple): (state dict, losses, gradient norms before
-    clipping). Cached: do not modify what it returns."""
+              side: int = SIDE, optim: str = "sgd") -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """One process trains ``build(kind)`` with ``OPTIMIZERS[optim]`` on the global batches
+    ``data(batch, i)`` for i in ``range(steps)`` (or in ``steps``, a tuple): (state dict, losses,
+    gradient norms before clipping). Cached: do not modify what it returns."""
     model = build(kind)
-    opt = optimizer(model.parameters())
+    opt = OPTIMIZERS[optim](model.parameters())
     losses, norms = [], []
     for step in (range(steps) if isinstance(steps, int) else steps):
         x, y = data(batch, step, side)
@@ -179,10 +188,10 @@ class Result:
 
 
 def train(comm, model: nn.Sequential, plan, steps: int | tuple[int, ...], side: int = SIDE,
-          clip: float | None = None) -> Result:
-    """Train ``model`` (this rank's own copy) on ``data`` for ``steps`` steps (or these data
-    indices). COLLECTIVE: every rank of the launch calls it."""
-    engine = gems.Engine(model, plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), comm=comm,
+          clip: float | None = None, optim: str = "sgd") -> Result:
+    """Train ``model`` (this rank's own copy) with ``OPTIMIZERS[optim]`` on ``data`` for ``steps``
+    steps (or these data indices). COLLECTIVE: every rank of the launch calls it."""
+    engine = gems.Engine(model, plan, optimizer=OPTIMIZERS[optim], loss_fn=nn.CrossEntropyLoss(), comm=comm,
                          clip_grad_norm=clip)
     calls = count_unit_calls(engine)
     indices = range(steps) if isinstance(steps, int) else steps
@@ -256,12 +265,14 @@ def check_copies(where: str, state: dict[str, torch.Tensor], copies: list[dict[s
 
 # ---------------------------------------------------------------- drivers
 def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
-        clip: float | None = None, side: int = SIDE, policy: str = "none", memory_format: str = "contiguous") -> str:
+        clip: float | None = None, side: int = SIDE, policy: str = "none", memory_format: str = "contiguous",
+        optim: str = "sgd", placement: str = "device", shard: bool = False) -> str:
     """One rank of an mpiexec launch: train, check, and return the "ok ..." line (raises
     Mismatch otherwise). COLLECTIVE."""
     D = comm.size // K
-    plan = make_plan(kind, schedule, K, m, D, side, policy, memory_format=memory_format)
-    result = train(comm, build(kind), plan, steps, side, clip)
+    plan = make_plan(kind, schedule, K, m, D, side, policy, memory_format=memory_format, placement=placement,
+                     shard=shard)
+    result = train(comm, build(kind), plan, steps, side, clip, optim)
     where = describe(kind, schedule, K, D, m, clip, policy) + (f" {memory_format}" if memory_format != "contiguous" else "")
     check_calls(where, result)
     if memory_format == "channels_last" and not (result.channels_last and all(result.channels_last)):
@@ -273,35 +284,40 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
         copies = comm.allgather_object(result.stage_state)
         check_copies(where, result.state, copies)
         return f"ok {where}: {len(copies)} ranks, every copy identical"
-    ref_state, ref_losses, _ = reference(kind, plan.batch_size, steps, clip, side)
+    ref_state, ref_losses, _ = reference(kind, plan.batch_size, steps, clip, side, optim)
     worst, loss_err = check_reference(where, result.state, result.losses, ref_state, ref_losses, rtol)
     return f"ok {where}: max relative error {worst:.1e} params, {loss_err:.1e} loss"
 
 
 def per_rank(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE,
              policy: str = "none", split: bool | None = False, shard: bool = False,
-             order: str = "", memory_format: str = "contiguous") -> tuple[list[nn.Sequential], list[partition.Plan]]:
+             order: str = "", memory_format: str = "contiguous",
+             placement: str = "device") -> tuple[list[nn.Sequential], list[partition.Plan]]:
     """For each of the K x D loopback ranks, its own copy of ``build(kind)`` and of the plan,
     made here in the calling (main) thread: rank r trains ``copies[r]`` under ``plans[r]``."""
     model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard, order=order,
-                                               memory_format=memory_format)
+                                               memory_format=memory_format, placement=placement)
     return [copy.deepcopy(model) for _ in range(K * D)], [copy.deepcopy(plan) for _ in range(K * D)]
 
 
-def _rank(comm, models_: list[nn.Sequential], plans: list, steps, side: int, clip: float | None) -> Result:
-    return train(comm, models_[comm.rank], plans[comm.rank], steps, side, clip)
+def _rank(comm, models_: list[nn.Sequential], plans: list, steps, side: int, clip: float | None,
+          optim: str) -> Result:
+    return train(comm, models_[comm.rank], plans[comm.rank], steps, side, clip, optim)
 
 
 def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | tuple[int, ...] = 3,
                  rtol: float = 1e-5, clip: float | None = None, side: int = SIDE, policy: str = "none",
                  semantics: str = "mpi", timeout: float = 20.0, split: bool | None = False,
-                 shard: bool = False, order: str = "", memory_format: str = "contiguous") -> list[Result]:
-    """Train on K x D loopback ranks (threads) and check, as ``run`` does: the recompute rule on
-    every rank; every copy identical ("batchnorm"), else the reference's state and losses
-    (rank 0's, and every rank reports the same losses). Returns every rank's Result; raises
-    Mismatch, or what a rank raised (loopback.Deadlock when the ranks cannot progress)."""
-    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order, memory_format)
-    results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, semantics=semantics, timeout=timeout)
+                 shard: bool = False, order: str = "", memory_format: str = "contiguous", optim: str = "sgd",
+                 placement: str = "device") -> list[Result]:
+    """Train on K x D loopback ranks (threads) with ``OPTIMIZERS[optim]``, model state at
+    ``placement``, and check, as ``run`` does: the recompute rule on every rank; every copy
+    identical ("batchnorm"), else the reference's state and losses (rank 0's, and every rank reports
+    the same losses). Returns every rank's Result; raises Mismatch, or what a rank raised
+    (loopback.Deadlock when the ranks cannot progress)."""
+    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order, memory_format, placement)
+    results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, optim, semantics=semantics,
+                           timeout=timeout)
     chosen = "auto, " * (split is None) + ("split backward" if plans[0].split_backward else "not split")
     where = describe(kind, schedule, K, D, m, clip, policy) + f" ({semantics}, {chosen})"
     for r in results:
@@ -311,6 +327,6 @@ def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | 
     if kind == "batchnorm":
         check_copies(where, results[0].state, [r.stage_state for r in results])
     else:
-        ref_state, ref_losses, _ = reference(kind, plans[0].batch_size, steps, clip, side)
+        ref_state, ref_losses, _ = reference(kind, plans[0].batch_size, steps, clip, side, optim)
         check_reference(where, results[0].state, results[0].losses, ref_state, ref_losses, rtol)
     return results

@@ -120,6 +120,9 @@ def test_two_ranks_run_a_spatial_plan_and_name_the_tile_member(two_ranks):
     assert r["placement"] == [[0, 0, 0], [0, 0, 1]]   # rank 1 is the member of rank 0's tile group
     assert len(r["stage_forward"]) == 1 and len(r["peak_memory"]) == len(r["plan_memory"]) == 2
     assert math.isfinite(r["efficiency"]) and r["efficiency"] > 0 and min(r["peak_memory"]) > 0
+    assert report["ceiling"]["grid"] == [2, 1] and report["ceiling"]["images_per_s"] > 0   # each rank its tile alone
+    assert r["vs_ceiling"] == pytest.approx(r["images_per_s"] / report["ceiling"]["images_per_s"])
+    assert "physical limit" in table and "no-communication ceiling" in table, table
     assert re.search(rf"^mp\s+1\s+1\s+2\s+0,5\s+2x1 \[0,{r['spatial_end']}\)\s", table, re.M), table
     assert re.search(r"^\s+position 0\s+position 0, tile 1$", table, re.M), table
 

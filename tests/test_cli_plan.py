@@ -86,6 +86,8 @@ def test_a_reader_that_leaves_ends_the_command_quietly():
     (["--host-bandwidth", "fast"], "host bandwidth must be a positive rate"),
     (["--host-bandwidth", "0GB/s"], "host bandwidth must be a positive rate"),
     (["--device-tflops", "-1"], "device rate must be positive"),
+    (["--state-placement", "ram"], "invalid choice"),
+    (["--state-placement", "host"], "--state-placement host (parameters in host memory too) is not built yet"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
     args = BASE.copy()
@@ -138,12 +140,12 @@ def test_simulate_predicts_every_schedule(capsys):
 def test_policy_flags(capsys, tmp_path):
     path = tmp_path / "p.json"
     assert main(BASE + ["--recompute", "all", "--offload", "all", "--host-bandwidth", "25GB/s",
-                        "--json", str(path)]) == 0
+                        "--state-placement", "host-optimizer", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "recompute x" in out and "+offload" in out and "predicted step" in out and "w/o policy" in out
     data = json.loads(path.read_text())
     assert data["host_bandwidth"] == 25e9 and data["device"] == "cuda"
-    assert all(p["recompute"] and p["offload"] for p in data["policies"])
+    assert all(p["recompute"] and p["offload"] and p["state_placement"] == "host-optimizer" for p in data["policies"])
 
 
 def test_auto_policies_fit_a_budget_the_plain_plan_misses(capsys):
@@ -176,7 +178,7 @@ def test_sweep_recommends_the_fastest_configuration_that_fits(capsys):
     # A budget below the data-parallel peak pushes the recommendation to more stages or recomputation.
     data_parallel = next(r for r in rows if r[1] == "1" and r[3] == "1")
     tight = float(data_parallel[8]) * 0.6
-    assert main(base + ["--sweep", "4", "--memory-budget", f"{tight}{data_parallel[9]}", "--recompute", "auto"]) == 0
+    assert main(base + ["--sweep", "2", "--memory-budget", f"{tight}{data_parallel[9]}", "--recompute", "auto"]) == 0
     out = capsys.readouterr().out
     assert "over the budget" in out and ("recompute" in out or "nothing fits" in out)
     assert main(base) == 2

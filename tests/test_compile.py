@@ -5,8 +5,12 @@ compiled (inductor, fixed shapes, one graph per run of units), under a memory po
 and losses with eager within 1e-4 (fp32): with one process for the model without BatchNorm, with the
 eager engine on the same layout for the one with BatchNorm (whose statistics depend on the layout).
 Every rank then reports 0 recompiles: its units compiled in the warm-up and never again. The
-module's runs share one compile cache (identical units of the ranks and layouts hit it); the layouts
-are few, each covering several things (a schedule, D, a policy, a BatchNorm mode), since each compiles.
+module's runs share one compile cache; the layouts are few, each covering several things (a schedule,
+D, a policy, a BatchNorm mode), since each compiles. What gems does with a compiled run -- warm-ups,
+guards, variants, recompiles, fallbacks -- is dynamo's and AOTAutograd's side, whatever generates the
+code: most tests compile with ``aot_eager`` (the same graphs, run by the eager kernels: seconds, not
+the minute of inductor's C++ code generation), and inductor runs where its code matters (the mast layout
+with recompute and offload, bf16 autocast).
 """
 from __future__ import annotations
 
@@ -30,6 +34,17 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_threa
 
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
                    "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def graphs_run_eagerly(monkeypatch):
+    """dynamo and AOTAutograd as in a real run, the graphs run by eager kernels (module docstring)."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
+def inductor(monkeypatch) -> None:
+    """This test's graphs compiled by inductor, as a real run's are."""
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,7 +83,8 @@ def train(kind: str, schedule: str, K: int, m: int, D: int, policy: str, batch_n
 
 
 # (kind, schedule, K, m, D, policy, batch_norm): mp, gpipe m=4, 1f1b m=4, mast K=2 with D=2; every
-# policy; deferred BatchNorm under recompute (its flag), micro-batch BatchNorm under offload
+# policy; deferred BatchNorm under recompute (its flag), micro-batch BatchNorm under offload; the last
+# compiled by inductor
 LAYOUTS = [("transparency", "mp", 2, 1, 1, "segment", "micro-batch"),
            ("batchnorm", "gpipe", 2, 4, 1, "recompute", "deferred"),
            ("batchnorm", "1f1b", 2, 4, 1, "offload", "micro-batch"),
@@ -78,6 +94,8 @@ LAYOUTS = [("transparency", "mp", 2, 1, 1, "segment", "micro-batch"),
 @pytest.mark.parametrize("kind,schedule,K,m,D,policy,batch_norm", [pytest.param(*c, id="-".join(map(str, c[1:6])))
                                                                    for c in LAYOUTS])
 def test_compiled_stages_train_like_eager(kind, schedule, K, m, D, policy, batch_norm, monkeypatch):
+    if schedule == "mast":
+        inductor(monkeypatch)
     monkeypatch.setattr(gems.pipeline.offload, "MIN_OFFLOAD_BYTES", 1)   # these activations are tiny
     evaluate = schedule == "mp"   # forward-only steps: their own variant, warmed when first made
     results = train(kind, schedule, K, m, D, policy, batch_norm, compile=True, evaluate=evaluate)
@@ -110,6 +128,7 @@ def test_under_autocast_nothing_recompiles(monkeypatch):
     autocast and another casting eagerly deadlock on autocast's cast cache in torch 2.14 (one process
     per rank never meets it). bf16 rounds differently compiled (intermediates kept in fp32): the losses
     agree to bf16's precision."""
+    inductor(monkeypatch)
     compiled_run, = train("transparency", "gpipe", 1, 2, 1, "recompute", "micro-batch", compile=True,
                           autocast=torch.bfloat16)
     eager, = train("transparency", "gpipe", 1, 2, 1, "recompute", "micro-batch", compile=False,

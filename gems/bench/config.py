@@ -15,8 +15,9 @@ from gems.errors import GemsError
 from gems.partition.backward import split_mode
 from gems.schedule import generators as sch
 from gems.schedule.topology import ranks_per_group
-from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP, Recipe,
-                               model_kwargs, opt, tile_count)
+from gems.plan import PLACEMENT_CHOICES
+from gems.train.config import (MODEL_ARG_HELP, MODEL_HELP, PLACEMENT_HELP, SPATIAL_HELP, SPLIT_CHOICES, SPLIT_HELP,
+                               Recipe, model_kwargs, opt, tile_count)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class BenchConfig(Recipe):
     split_backward: str = opt("off", SPLIT_HELP + "; auto chooses per schedule", choices=SPLIT_CHOICES, const="on",
                               negative="off")
     shard_optimizer: bool = opt(False, "share the optimizer step and state across each sync group")
+    state_placement: str = opt("device", PLACEMENT_HELP, choices=PLACEMENT_CHOICES)
     balance_by: str = opt("time", "what the partitioner balances", choices=partition.BALANCE_BY)
     num_classes: int = opt(10, "classes the model outputs (per image, or per pixel for a segmentation model)")
     lr: float = opt(0.01, "SGD learning rate (momentum 0.9), the same for every run")

@@ -9,6 +9,11 @@ once, and reports medians over the measured steps:
     efficiency    images/s over the physical limit: world x the reference's images/s, the
                   reference being plain PyTorch forward/backward/SGD of the whole model on the
                   same batch, on rank 0, with the threads one rank uses (the others wait)
+    vs ceiling    with --spatial at K = 1: images/s over the no-communication ceiling -- every
+                  rank trains the whole model on its own tile of its group's images with plain
+                  PyTorch, all ranks at once (no halo, no statistics sums, no gather, no gradient
+                  allreduce; the cores' shared memory bandwidth included): what tiles on these
+                  ranks allow at best, where the physical limit counts what whole images would
     bubble        1 - busy / (ranks x step time); busy = forward + backward + optimizer
                   time from the engine timelines. In brackets the part of it that the ranks'
                   unequal busy time alone forces, since every step ends in a sync: sum over ranks
@@ -50,6 +55,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,6 +71,7 @@ from gems.pipeline.loss import SumLoss, batch_mean
 from gems.plan import formats
 from gems.schedule import generators as sch
 from gems.schedule import simulate
+from gems.spatial.geometry import parts
 from gems.train.config import model_kwargs
 from gems.train.losses import make_loss
 from gems.train.optim import sgd
@@ -96,12 +103,11 @@ def synthetic_batch(cfg: BenchConfig, task: Task) -> tuple[torch.Tensor, torch.T
     return images, torch.randint(0, task.classes, (cfg.batch_size, *task.target_shape), generator=g)
 
 
-def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
-              device: torch.device) -> dict:
-    """Plain PyTorch on one rank: forward, backward (the engine's loss, the batch's mean) and SGD
-    of the whole model on the batch, under the schedules' recipe as a user's loop applies it: the
-    model and images in the memory format, forward and loss under bf16 autocast, the model compiled
-    whole (the compile happens in the warm-up steps)."""
+def plain_loop(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
+               device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, Callable[[], None]]:
+    """A user's loop under the schedules' recipe: a copy of ``model`` and the images on ``device`` in
+    the memory format, SGD, the model compiled whole (compiling at its first step), forward and loss
+    under bf16 autocast. Returns (the copy, its optimizer, the images there, one training step)."""
     fmt = formats.of_name(cfg.memory_format(device.type))
     model = copy.deepcopy(model).to(device, memory_format=fmt)
     optimizer = sgd(model.parameters(), cfg.lr)
@@ -115,7 +121,15 @@ def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss
             loss = batch_mean(loss_fn, run(x), y)
         loss.backward()
         optimizer.step()
+    return model, optimizer, x, train_step
 
+
+def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
+              device: torch.device) -> dict:
+    """Plain PyTorch on one rank: forward, backward (the engine's loss, the batch's mean) and SGD
+    of the whole model on the batch, under the schedules' recipe (``plain_loop``; a compile happens
+    in the warm-up steps)."""
+    model, optimizer, x, train_step = plain_loop(model, images, labels, loss_fn, cfg, device)
     times = []
     for _ in range(cfg.warmup + cfg.steps):
         start = time.perf_counter()
@@ -133,6 +147,35 @@ def reference(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss
                               memory_format=cfg.memory_format(device.type)).positions[0].peak_bytes
     return {"step_time": step, "images_per_s": cfg.batch_size / step, "peak_memory": peak,
             "plan_memory": estimate, "threads": torch.get_num_threads()}
+
+
+def ceiling(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss, cfg: BenchConfig,
+            device: torch.device, comm, grid: list[int]) -> dict:
+    """COLLECTIVE: the no-communication ceiling of a K = 1 spatial run (module docstring): rank r
+    trains a copy of the model on tile r % P of group r // P's images (a per-pixel target cut
+    with its image), plain PyTorch as ``reference`` runs it, every rank at once; the step's time
+    is the slowest rank's, the median over the measured steps."""
+    P = grid[0] * grid[1]
+    group, tile = divmod(comm.rank, P)
+    groups = comm.size // P
+    x, y = images.chunk(groups)[group], labels.chunk(groups)[group]
+    (r0, r1), (c0, c1) = (parts(x.shape[2], grid[0])[tile // grid[1]], parts(x.shape[3], grid[1])[tile % grid[1]])
+    x = x[:, :, r0:r1, c0:c1].contiguous()
+    if y.dim() == 3:
+        y = y[:, r0 * y.shape[1] // images.shape[2]:r1 * y.shape[1] // images.shape[2],
+              c0 * y.shape[2] // images.shape[3]:c1 * y.shape[2] // images.shape[3]].contiguous()
+    *_, train_step = plain_loop(model, x, y, loss_fn, cfg, device)
+    times = []
+    for _ in range(cfg.warmup + cfg.steps):
+        comm.barrier()
+        start = time.perf_counter()
+        train_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    slowest = [max(t) for t in zip(*comm.allgather_object(times[cfg.warmup:]))]
+    step = statistics.median(slowest)
+    return {"step_time": step, "images_per_s": cfg.batch_size / step, "grid": list(grid)}
 
 
 def recipe(cfg: BenchConfig, device_type: str) -> str:
@@ -169,6 +212,7 @@ class ScheduleResult:
     order: str = ""                   # the plan's order of compute (Plan.order: the schedule search's variant)
     ratio_to_mp: float | None = None
     efficiency: float | None = None
+    vs_ceiling: float | None = None
 
     @property
     def simulator_error(self) -> float:
@@ -196,7 +240,7 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
     plan = partition.plan(model, (3, cfg.image_size, cfg.image_size), cfg.batch_size, K, name, m,
                           balance_by=cfg.balance_by, groups=groups, model_name=cfg.model,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
-                          spatial=cfg.spatial, amp=cfg.amp, device=comm.device.type,
+                          state_placement=cfg.state_placement, spatial=cfg.spatial, amp=cfg.amp, device=comm.device.type,
                           memory_format=cfg.memory_format(comm.device.type), compile=cfg.compile)
     engine = Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, cfg.lr),
                     loss_fn=loss_fn, comm=comm, timeout=cfg.timeout,
@@ -297,12 +341,16 @@ def run(cfg: BenchConfig, comm) -> dict | None:
             ref = reference(model, images, labels, loss_fn, cfg, device)
         comm.barrier()   # polls with back-off: the waiting ranks leave rank 0's core alone
     results = [run_schedule(name, model, images, labels, loss_fn, cfg, comm, K, network) for name in names]
+    top = None
+    if cfg.reference and cfg.spatial and K == 1:
+        top = ceiling(model, images, labels, loss_fn, cfg, device, comm, results[0].spatial_grid)
     if comm.rank != 0:
         return None
     mp = next((r for r in results if r.schedule == "mp"), None)
     for r in results:
         r.ratio_to_mp = r.images_per_s / mp.images_per_s if mp else None
         r.efficiency = r.images_per_s / (comm.size * ref["images_per_s"]) if ref else None
+        r.vs_ceiling = r.images_per_s / top["images_per_s"] if top else None
     report = {
         "config": asdict(cfg), "task": asdict(task), "world": comm.size, "load_average": load, "stages": K,
         "recipe": recipe(cfg, device.type),
@@ -311,6 +359,7 @@ def run(cfg: BenchConfig, comm) -> dict | None:
         "network": {"latency": network.latency, "bandwidth": network.bandwidth,
                     "reduce_bandwidth": network.reduce_bandwidth, "collective_bandwidth": network.collective_bandwidth},
         "reference": ref,
+        "ceiling": top,
         "schedules": {r.schedule: {**asdict(r), "simulator_error": r.simulator_error} for r in results},
     }
     if cfg.json:

@@ -35,7 +35,9 @@ from collections.abc import Sequence
 
 from gems.cli import checked, parser, run
 from gems.errors import GemsError
-from gems.train.config import MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP, Recipe, model_kwargs
+from gems.plan import PLACEMENT_CHOICES
+from gems.train.config import (HOST_BUDGET_HELP, MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP,
+                               PLACEMENT_HELP, Recipe, model_kwargs)
 from gems.units import format_size, parse_size
 
 PROG = "gems-plan"
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-optimizer", action="store_true",
                    help="each rank of a sync group updates a share of the parameters and keeps only their "
                         "optimizer state (priced so)")
+    p.add_argument("--state-placement", default="device", choices=PLACEMENT_CHOICES, help=PLACEMENT_HELP)
+    p.add_argument("--host-memory-budget", type=checked(parse_size), metavar="SIZE", help=HOST_BUDGET_HELP)
     p.add_argument("--groups", type=checked(positive), default=1, help="data-parallel groups")
     p.add_argument("--balance-by", default="memory", choices=BALANCE_BY)
     p.add_argument("--balance", type=checked(unit_counts), metavar="N0,N1,...",
@@ -250,7 +254,9 @@ def _plan(args: argparse.Namespace) -> None:
                    memory_format=Recipe(channels_last=args.channels_last).memory_format(args.device),
                    compile=args.compile,
                    leaf_modules=args.leaf_module, split_backward=args.split_backward,
-                   shard_optimizer=args.shard_optimizer, profiles={},   # each micro-batch size profiled once
+                   shard_optimizer=args.shard_optimizer, state_placement=args.state_placement,
+                   host_memory_budget=args.host_memory_budget,
+                   profiles={},   # each micro-batch size profiled once
                    spatial=args.spatial, spatial_end=args.spatial_end, spatial_start=args.spatial_start)
     if args.sweep:
         print(_sweep(model, shape, options, args))
@@ -282,6 +288,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
+    from gems.partition.placement import slowest_host
     from gems.schedule.simulate import V100_CLUSTER, costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
@@ -301,8 +308,12 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
         r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
                      p.groups, split=p.split_backward, shard=p.shard_optimizer, order=p.order)
         mark = "  <- this plan" if p is chosen else ""
-        lines.append(f"{name:10}{m:>3}{r.step_time * 1e3:>11.1f}{r.throughput(p.micro_batch_size):>10.2f}"
+        step = r.step_time + (slowest_host(p) if p.state_host_bytes else 0.0)   # host updates after the sync
+        images = r.throughput(p.micro_batch_size) * r.step_time / step
+        lines.append(f"{name:10}{m:>3}{step * 1e3:>11.1f}{images:>10.2f}"
                      f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
+    if chosen.state_host_bytes:
+        lines.append("(steps include the host updates and copies back of the stages whose state is in host memory)")
     return "\n".join(lines)
 
 

@@ -23,6 +23,9 @@ it) travels in consecutive pieces under its wire tag, unless MPI-4 large counts 
 The torch backend starts each message with a header of its tag and byte sizes, checked on arrival
 (NCCL ignores tags: a message posted out of order is an error, not swapped data), and posts a
 message's tensors, and ``ibatch``'s operations, as one ``batch_isend_irecv`` group.
+
+``comm.received`` counts the bytes of every point-to-point receive a rank posts, per tag, on every
+backend (a plan prices what each rank receives per step: ``PositionEstimate.received_bytes``).
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import pickle
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 
@@ -191,7 +192,11 @@ class Comm:
     ``timeout`` (seconds any wait may last; assignable) and ``backoff`` (:class:`Backoff`).
 
     Tensor tuples are sent one message per tensor (see ``TENSORS_PER_MESSAGE``); the receiver
-    preallocates buffers of the right shapes and dtypes, so no metadata travels."""
+    preallocates buffers of the right shapes and dtypes, so no metadata travels.
+
+    ``received`` counts, per tag, the bytes of every point-to-point receive this rank posts (the
+    buffers' bytes: a backend's own headers and collectives are not counted), on every backend
+    alike; cleared where a count begins (``Engine.step``: it holds the last step's)."""
 
     backend = "base"
     # whether a collective may run while point-to-point transfers are posted (False: NCCL)
@@ -204,6 +209,11 @@ class Comm:
         self.device = device
         self.timeout = timeout
         self.backoff = backoff
+        self.received: Counter[int] = Counter()
+
+    def count_received(self, buffers: Sequence[Tensor], tag: int) -> None:
+        """Add a posted receive's bytes to ``received`` (every backend's receives call it)."""
+        self.received[tag] += sum(t.numel() * t.element_size() for t in buffers)
 
     # -- what a backend provides -------------------------------------------------------------
     def isend(self, tensors: tuple[Tensor, ...], dst: int, tag: int) -> Request:

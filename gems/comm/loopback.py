@@ -203,6 +203,8 @@ class LoopbackComm(Comm):
             for i in range(len(op.tensors)):
                 message_tag(op.tag, i, TAG_UB)  # the limits of the real backends
             tensors = tuple(t.detach() for t in op.tensors)
+            if op.op == "recv":
+                self.count_received(tensors, op.tag)
             if op.op == "send" and self.semantics == "mpi":
                 tensors = tuple(t.clone() for t in tensors)  # buffered: the sender may reuse its own
             states.append(_P2P(op.op, self.rank, op.peer, tensors, op.tag))

@@ -197,6 +197,7 @@ class MPIComm(Comm):
     def irecv(self, buffers: tuple[Tensor, ...], src: int, tag: int) -> Request:
         tags = [message_tag(tag, i, self._tag_ub) for i in range(len(buffers))]
         wires = [self._wire(t, load=False, store=True) for t in buffers]
+        self.count_received(buffers, tag)
         index = [i for i, w in enumerate(wires) for _ in self._pieces(w.data)]   # tensor of each piece
         describe = f"recv from rank {src}, tag {tag}"
 

@@ -227,6 +227,7 @@ class TorchComm(Comm):
     def _recv(self, op: P2POp) -> tuple[list[tuple[Tensor, int]], Any]:
         _check_count(len(op.tensors))
         buffers = [t.detach() for t in op.tensors]
+        self.count_received(buffers, op.tag)
         wires = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in buffers]
         device = wires[0].device if wires else torch.device("cpu")

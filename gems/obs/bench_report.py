@@ -30,13 +30,19 @@ def table(report: dict) -> str:
         lines.append(f"reference (1 rank, unpartitioned, batch {cfg['batch_size']}, {ref['threads']} thread(s)): "
                      f"{_ms(ref['step_time'])} ms/step, {ref['images_per_s']:.3f} images/s -> physical limit "
                      f"{W} x {ref['images_per_s']:.3f} = {W * ref['images_per_s']:.3f} images/s")
+    top = report.get("ceiling")
+    if top:
+        grid = "x".join(map(str, top["grid"]))
+        lines.append(f"no-communication ceiling (every rank the whole model on its own {grid} tile, plain "
+                     f"PyTorch, all {W} at once): {_ms(top['step_time'])} ms/step, {top['images_per_s']:.3f} images/s")
     rows = [["schedule", "D", "m", "images/mb", "cuts", "tiles, units", "step ms", "images/s", "vs mp", "efficiency",
-             "bubble (unequal busy)"]]
+             *(["vs ceiling"] if top else []), "bubble (unequal busy)"]]
     for r in report["schedules"].values():
         rows.append([r["schedule"], str(r["groups"]), str(r["micro_batches"]), str(r["micro_batch_size"]),
                      ",".join(map(str, r["cuts"])), _tiles(r), _ms(r["step_time"]), f"{r['images_per_s']:.3f}",
                      "-" if r["ratio_to_mp"] is None else f"{r['ratio_to_mp']:.2f}x",
                      "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}",
+                     *([f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") else "-"] if top else []),
                      f"{r['bubble']:.1%} ({r.get('unequal_busy', 0.0):.1%})"])
     lines += ["", *_grid(rows)]
     lines += ["", f"simulator (gems.schedule.simulate) with per-stage times measured from the timelines; network by "

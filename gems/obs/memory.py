@@ -68,9 +68,13 @@ def training_tensors(modules: Iterable[nn.Module], optimizer: torch.optim.Optimi
 
 
 def engine_tensors(engine) -> list[torch.Tensor]:
-    """What a ``gems.Engine`` holds between steps: its stages (parameters, buffers), the
-    flat gradient bucket the gradients live in, and the optimizer's state."""
-    return training_tensors(engine.stages.values(), engine.optimizer, engine.bucket)
+    """What a ``gems.Engine`` holds between steps on its device: its stages (parameters, buffers),
+    the flat gradient bucket the gradients live in, and the optimizer's state but for that of
+    the stages whose state lives in host memory (``gems.pipeline.hostopt``: another tier)."""
+    host = engine.grads.host
+    return training_tensors(engine.stages.values(), None, engine.bucket) + [
+        v for p, state in engine.optimizer.state.items() if not host.holds(p) for v in state.values()
+        if torch.is_tensor(v)]
 
 
 def _memory_config() -> ProfilerConfig:

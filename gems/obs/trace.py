@@ -34,8 +34,14 @@ KINDS = {sch.FORWARD: "forward", sch.BACKWARD: "backward", sch.BACKWARD_INPUT: "
          sch.BACKWARD_WEIGHT: "backward", sch.RECV_ACT: "recv wait", sch.RECV_GRAD: "recv wait",
          sch.SEND_ACT: "send", sch.SEND_GRAD: "send", sch.REDUCE: "sync", sch.SYNC: "sync", sch.STEP: "optimizer",
          sch.SHARE: "sync", sch.ZERO: "optimizer"}
+# A tile group's waits (gems.spatial.tiles.TileGroup.timer), inside the forward and backward that make
+# them: "halo layer1.0.conv1", "stats-grad layer1.0.bn1", "gather" -- drawn over their action.
+TILE_KINDS = {"halo": "halo wait", "stats": "statistics wait", "sum": "statistics wait", "gather": "gather wait",
+              "scatter": "gather wait"}
+KINDS.update({f"{word}{grad}": k for word, k in TILE_KINDS.items() for grad in ("", "-grad")})
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "recv wait": "#c44e52", "send": "#8c8c8c",
-           "sync": "#8172b2", "optimizer": "#ccb974"}
+           "sync": "#8172b2", "optimizer": "#ccb974", "halo wait": "#dd8452", "statistics wait": "#da8bc3",
+           "gather wait": "#937860"}
 _LABEL = re.compile(r"^(?P<op>\w+) (?P<replica>[du])(?P<micro>\d+)\.s(?P<stage>\d+)(?:[<>]s(?P<other>\d+))?"
                     r"(?: @(?P<peer>\d+))?$")
 
@@ -58,7 +64,8 @@ def parse(label: str) -> dict:
 
 
 def kind(label: str) -> str:
-    """What the action is, for colours and sums: forward, backward, recv wait, send, sync, optimizer."""
+    """What the action is, for colours and sums: forward, backward, recv wait, send, sync, optimizer;
+    or a tile group's wait inside one: halo wait, statistics wait, gather wait."""
     return KINDS.get(label.split(" ", 1)[0], "other")
 
 
@@ -206,6 +213,8 @@ def draw_timelines(ax, ranks: list[RankTimeline], heading: str = "") -> None:
     origin = _origin(ranks)
     spans = [(r, (s.started - origin) + a, (s.started - origin) + b, label)
              for r in ranks for s in r.steps for label, a, b in s.spans]
+    tile_waits = set(TILE_KINDS.values())
+    spans.sort(key=lambda span: kind(span[3]) in tile_waits)   # over the action they wait in
     first = min((a for _, a, _, _ in spans), default=0.0)
     last = max((b for _, _, b, _ in spans), default=1.0)
     width = max(last - first, 1e-9)

@@ -47,10 +47,11 @@ from gems.pipeline.p2p import PREFETCH, Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner
 from gems.pipeline.state import StageState
-from gems.pipeline.tiled import NoMessages, member_actions, sync_parts, tile_groups, tiled_stage
+from gems.pipeline.tiled import sync_parts, tile_groups, tiled_stage
 from gems.plan import formats
 from gems.schedule import generators as sch
 from gems.schedule.ir import describe_action
+from gems.schedule.members import member_lists
 from gems.schedule.topology import Topology
 
 
@@ -61,7 +62,8 @@ class Engine:
         model: the full model, any ``nn.Module`` (built identically on every rank; parameters are
             broadcast within each sync group anyway, so copies start equal).
         plan: a ``gems.plan.Plan`` (cut points, schedule, K, m, boundary shapes, policies).
-        optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters.
+        optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters
+            (of a stage placed on the host, their host copies: ``gems.pipeline.hostopt``).
             Its ``zero_grad()`` zeroes the gradient bucket in place (gradients live there).
         loss_fn: a ``gems.pipeline.loss.SumLoss`` (sums and normalisers: exact for any loss, e.g.
             ``gems.train.losses.make_loss``), or ``(output, labels) -> mean over the micro-batch``
@@ -130,8 +132,8 @@ class Engine:
         routes = Routes.of(plan, model)   # where each stage's inputs come from, checked against the model
         lists = sch.schedule(plan.schedule, self.K, self.m, routes.skips, plan.split_backward, plan.order)
         tiles = tile_groups(comm, self.topology, plan.spatial_grid)   # gems.pipeline.tiled
-        member_stages = set(self.topology.stages_of(comm.rank)) if self.tile else set()
-        self.actions = member_actions(lists[self.position], member_stages) if self.tile else lists[self.position]
+        mine = member_lists(lists, self.topology, routes.tile_edges) if self.tile else lists   # this rank's kind's
+        self.actions = mine[self.position]
         batches = MicroBatches(plan.batch_size, self.topology.groups, self.group,
                                sch.replicas(plan.schedule), self.m, comm.rank)
         graph = isinstance(model, GraphUnits)
@@ -156,21 +158,26 @@ class Engine:
         runners = {s: StageRunner(module, plan.cuts[s], policies[s], self.device, self.host_pool)
                    for s, module in self.stages.items()}
         self.grads = GradSync(comm, self.topology, self.stages, self.device, clip_grad_norm, batch_norm,
-                              sync_parts(self.topology, comm.rank, self.stages))
+                              sync_parts(self.topology, comm.rank, self.stages),
+                              {s: policy.state_placement for s, policy in policies.items()})
         self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
+        self.grads.host.check(self.optimizer)
         self.grads.keep_grads_in_bucket(self.optimizer)
-        messenger = NoMessages(self.position) if self.tile else Messenger(
-            comm, self.topology, lists, self.position, routes, batches.rows_per_micro, self.device, prefetch)
+        messenger = Messenger(comm, self.topology, mine, self.position, routes, batches.rows_per_micro, self.device,
+                              prefetch, self.tile)
         # a member recomputes where its leader does: whether a forward waits is a question of the leader's list
         waiting = {(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(lists[self.position])}
         # (replica, micro) of the micro-batches whose loss this rank computes (their normalisers)
         self._losses_here = [(a.replica, a.micro) for a in self.actions
                              if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
-                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer, bool(self.tile),
+                                 self.grads, self.loss_fn, autocast, self.device, self.optimizer, self.tile,
                                  self._arrive)
+        if tiles is not None:   # the tile group's halo, gather and statistics waits on the step's timeline
+            tiles.timer = self.executor.timer
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
-                                 key, extras, self.grads.shard_groups if plan.shard_optimizer else None)
+                                 key, extras, self.grads.shard_groups if plan.shard_optimizer else None,
+                                 self.grads.host.parameter)
         self._routes = routes
         self.compiled: compiling.CompiledUnits | None = None   # the stages compiled and warmed up, or eager
         self._warmed: set[tuple[int, bool]] = set()   # (rows, training) of the variants compiled so far
@@ -217,7 +224,8 @@ class Engine:
         ``images``/``labels`` hold either the whole global batch (``plan.batch_size`` rows,
         the same on every rank is fine) or just this group's shard of it
         (``plan.batch_size // D`` rows); rows are then taken by replica and micro-batch.
-        Ranks that need no images (or labels) may pass None.
+        Ranks that need no images (or labels) may pass None. Afterwards ``comm.received`` holds
+        the step's point-to-point bytes per tag (``PositionEstimate.received_bytes`` prices them).
         """
         batches = self.executor.batches
         if self.compiled is not None:
@@ -227,6 +235,7 @@ class Engine:
         self.grads.begin_step()
         try:
             self.executor.inverse = reciprocal(self._normalisers(labels, batches))
+            self.comm.received.clear()
             self.executor.run(images, labels)
         except Exception as exc:  # noqa: BLE001 - peers are mid-step: the job cannot go on
             self._fail(exc, self.executor.current)
@@ -254,9 +263,9 @@ class Engine:
     def _forward_steps(self, batch_size: int | None) -> Forwards:
         size = self.plan.batch_size if batch_size is None else batch_size
         if size not in self._forwards:
-            self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self.position, self.group,
-                                            self.executor.runners, size, self.device, self.autocast,
-                                            self.prefetch, bool(self.tile), self._arrive)
+            self._forwards[size] = Forwards(self.comm, self.topology, self.plan, self._routes, self.position,
+                                            self.group, self.executor.runners, size, self.device, self.autocast,
+                                            self.prefetch, self.tile, self._arrive)
             if self.compiled is not None:   # their variant: no grad, eval mode, their rows
                 self._warm_up(self._forwards[size].batches.rows_per_micro, training=False)
         return self._forwards[size]
@@ -335,6 +344,7 @@ class Engine:
                    param_groups: list[dict] | None = None) -> None:
         """Load full-model state (from any partition): each rank takes its stages' entries."""
         self._state.load_state(model, optimizer, param_groups)
+        self.grads.host.refresh()   # the host copies of the parameters (--state-placement host-optimizer)
 
 
 def _in_format(plan, model: nn.Module, memory_format) -> object:

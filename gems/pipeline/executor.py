@@ -12,7 +12,8 @@
   Split (``gems.pipeline.splitgrad``): backward_input computes the input gradients and keeps the
   graph, backward_weight the parameters' gradients later (a recomputing forward's whole backward
   runs in backward_input: a second half would recompute its segments again);
-- send / recv: through the ``Messenger``; reduce / sync / step: through ``GradSync``; after an
+- send / recv: through the ``Messenger`` (a tile group's member: its tiles of the skips that go
+  tile to tile, ``gems.pipeline.tiled``); reduce / sync / step: through ``GradSync``; after an
   applied step of a sharded optimizer, the parameter exchange (its own span, ``ir.SHARE``); then
   the gradient bucket is zeroed for the next step (its own span, ``ir.ZERO``: memory-bound work
   that is no part of the optimizer's update, which the ``step`` span times alone).
@@ -43,12 +44,13 @@ class Executor:
     def __init__(self, actions: list[ir.Action], last_stage: int, runners: dict[int, StageRunner],
                  waiting: set[Key], batches: MicroBatches, messenger: Messenger, routes: Routes,
                  grads: GradSync, loss_fn: SumLoss, autocast: torch.dtype | None, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None, member: bool,
+                 optimizer: torch.optim.Optimizer | None, tile: int,
                  arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.actions, self.last_stage, self.runners, self.waiting = actions, last_stage, runners, waiting
-        # a tile group's member (gems.pipeline.tiled): its stage-0 outputs are placeholders whose
-        # backward waits for the tiles' gradients from the leader; it computes no loss
-        self.member = member
+        # tile > 0: a tile group's member (gems.pipeline.tiled): its stages' outputs are placeholders
+        # whose backward waits for the tiles' gradients from the leader, but for the tiles of the skips
+        # it sends itself; it computes no loss
+        self.tile, self.member = tile, tile > 0
         self.arrive = arrive   # rows of the images -> stage 0's input on the device (the engine's)
         self.routes = routes
         self.batches, self.messenger, self.grads = batches, messenger, grads
@@ -69,7 +71,8 @@ class Executor:
         self._run = {ir.FORWARD: self._forward, ir.BACKWARD: self._backward,
                      ir.BACKWARD_INPUT: self._backward_input, ir.BACKWARD_WEIGHT: self._backward_weight,
                      ir.RECV_ACT: self._receive, ir.RECV_GRAD: self._receive,
-                     ir.SEND_ACT: lambda a: messenger.send(a, routes.sent(self._edge(a), self._stash[_key(a)][1])),
+                     ir.SEND_ACT: lambda a: messenger.send(a, routes.sent(self._edge(a), self._stash[_key(a)][1],
+                                                                          tile)),
                      ir.SEND_GRAD: lambda a: messenger.send(a, self._input_grads.pop((_key(a), self._edge(a)))),
                      ir.REDUCE: lambda a: grads.start(a.stage), ir.SYNC: self._sync, ir.STEP: self._step}
 
@@ -112,16 +115,21 @@ class Executor:
         leaves: tuple[torch.Tensor, ...] = ()   # what an input half stops at
         if a.stage == 0:
             inputs = (self.arrive(self._images[rows]),)
-        elif self.member:   # a suffix's inputs come from the leader's scatter; this scalar ties its graph
-            # (the input half stops at it, so a member walks its tiles' backward when its leader does)
-            inputs = leaves = (torch.zeros((), device=self.device, requires_grad=True),)
         else:
-            received = self._inbox.pop((ir.RECV_ACT, key))
+            # a member's suffix takes its tiles of the skips as received and the rest from the leader's
+            # scatter; this scalar ties its graph there (the input half stops at it, so a member walks
+            # its tiles' backward when its leader does)
+            link = torch.zeros((), device=self.device, requires_grad=True) if self.member else None
+            received = self._inbox.pop((ir.RECV_ACT, key), {})
             for edge, tensors in received.items():
-                for t, grad in zip(tensors, self.routes.edges[edge].grads):
-                    t.requires_grad_(grad)
-            inputs = self.routes.assemble(a.stage, received, self.device)
-            leaves = tuple(t for tensors in received.values() for t in tensors)
+                grads = self.routes.edges[edge].grads
+                for t, k in zip(tensors, self.routes.carried(edge, self.tile)):
+                    t.requires_grad_(grads[k])
+            leaves = tuple(t for tensors in received.values() for t in tensors) + ((link,) if self.member else ())
+            if self.member and not received:
+                inputs = (link,)
+            else:
+                inputs = self.routes.assemble(a.stage, received, self.device, self.tile, link)
         runner = self.runners[a.stage]
         # A received tensor is a leaf; a unit that writes one in place (ReLU(inplace=True) first
         # thing in a stage) gets a copy, through which the gradient still reaches the leaf.
@@ -139,10 +147,15 @@ class Executor:
         self._stash[key] = (received, out, leaves)
 
     def _seeds(self, a: ir.Action, out: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The tensors a backward starts from and their gradients (None: the scalar loss)."""
-        if a.stage == self.last_stage or self.member:
+        """The tensors a backward starts from and their gradients (None: the scalar loss). A member's
+        placeholders start it with ones (their backward waits for the leader's gradients)."""
+        if a.stage == self.last_stage and not self.member:
             return list(out), None
-        pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, _key(a))))
+        pairs = self.routes.output_grads(a.stage, out, self._inbox.pop((ir.RECV_GRAD, _key(a)), {}), self.tile)
+        if self.member:
+            seeded = {id(o) for o, _ in pairs}
+            rest = list({id(o): o for o in out if o.requires_grad and id(o) not in seeded}.values())
+            pairs += [(o, torch.ones_like(o)) for o in rest]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, a: ir.Action) -> None:
@@ -177,7 +190,7 @@ class Executor:
         # since after a split backward's input half those leaves live on, in the graph the weight half
         # still needs
         for edge, tensors in received.items():
-            self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors)
+            self._input_grads[(key, edge)] = self.routes.input_grads(edge, tensors, self.tile)
             for t in tensors:
                 t.grad = None
 

@@ -21,9 +21,9 @@ from gems.pipeline.batches import MicroBatches
 from gems.pipeline.p2p import Messenger
 from gems.pipeline.routes import Routes
 from gems.pipeline.stage import StageRunner, unpack
-from gems.pipeline.tiled import NoMessages, member_actions
 from gems.schedule import ir
 from gems.schedule import generators as sch
+from gems.schedule.members import member_lists
 from gems.schedule.topology import Topology
 
 # sink(replica, micro, rows of the group's shard, output of the last stage)
@@ -33,21 +33,23 @@ Sink = Callable[[int, int, slice, torch.Tensor], None]
 class Forwards:
     """Runs the forward-only action list of one position for global batches of ``batch_size``."""
 
-    def __init__(self, comm, topology: Topology, plan, position: int, group: int,
+    def __init__(self, comm, topology: Topology, plan, routes: Routes, position: int, group: int,
                  runners: dict[int, StageRunner], batch_size: int, device: torch.device,
-                 autocast: torch.dtype | None, prefetch: int, member: bool,
+                 autocast: torch.dtype | None, prefetch: int, tile: int,
                  arrive: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.runners, self.device, self.autocast = runners, device, autocast
         self.last_stage = plan.stages - 1
-        self.routes = Routes.of(plan)
+        self.routes = routes
         lists = sch.forward_only(plan.schedule, plan.stages, plan.micro_batches, self.routes.skips, plan.order)
-        self.member = member   # a tile group's member: its tiled stages' forwards only (gems.pipeline.tiled)
+        # tile > 0: a tile group's member: its tiled stages' forwards and its tiles' skips only (gems.pipeline.tiled)
+        self.tile, self.member = tile, tile > 0
         self.arrive = arrive   # rows of the images -> stage 0's input on the device (the engine's)
-        self.actions = member_actions(lists[position], set(runners)) if member else lists[position]
+        lists = member_lists(lists, topology, routes.tile_edges) if self.member else lists
+        self.actions = lists[position]
         self.batches = MicroBatches(batch_size, topology.groups, group, sch.replicas(plan.schedule),
                                     plan.micro_batches, comm.rank)
-        self.messenger = NoMessages(position) if member else Messenger(
-            comm, topology, lists, position, self.routes, self.batches.rows_per_micro, device, prefetch)
+        self.messenger = Messenger(comm, topology, lists, position, self.routes, self.batches.rows_per_micro, device,
+                                   prefetch, tile)
         self._sends: dict[tuple[int, int, int], int] = {}   # key -> sends of its output in a step
         for a in self.actions:
             if a.op == ir.SEND_ACT:
@@ -75,7 +77,7 @@ class Forwards:
                     inbox.setdefault(key, {})[a.message(self.messenger.position).edge] = self.messenger.receive(a)
                 elif a.op == ir.SEND_ACT:
                     edge = a.message(self.messenger.position).edge
-                    self.messenger.send(a, self.routes.sent(edge, outputs[key]))
+                    self.messenger.send(a, self.routes.sent(edge, outputs[key], self.tile))
                     left[key] -= 1
                     if not left[key]:
                         del outputs[key], left[key]
@@ -83,13 +85,16 @@ class Forwards:
                     rows = self.batches.rows(a.replica, a.micro)
                     if a.stage == 0:
                         inputs = (self.arrive(images[rows]),)
-                    elif self.member:   # a suffix's inputs come from the leader's scatter
+                    elif self.member and key not in inbox:   # a suffix's inputs come from the leader's scatter
                         inputs = (torch.zeros((), device=self.device),)
-                    else:
-                        inputs = self.routes.assemble(a.stage, inbox.pop(key), self.device)
+                    else:   # a member's: its tiles of the skips, the rest from the scatter
+                        link = torch.zeros((), device=self.device) if self.member else None
+                        inputs = self.routes.assemble(a.stage, inbox.pop(key), self.device, self.tile, link)
                     with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
                         out = self.runners[a.stage].forward(inputs, key, waiting=False)
                     if self.member:
+                        if key in self._sends:
+                            outputs[key], left[key] = out, self._sends[key]
                         continue
                     if a.stage == self.last_stage:
                         sink(a.replica, a.micro, rows, unpack(out))

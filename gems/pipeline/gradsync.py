@@ -21,6 +21,11 @@ the sums of its own run; the other gradients it holds are partial sums until the
 zeroed after the step), the owner updates its run, and one allgather per stage hands the new
 parameters to all -- together one allreduce's traffic.
 
+A stage placed on the host (``StagePolicy.state_placement == "host-optimizer"``, ``placements``)
+keeps its parameters and its segment on the device, but its segment is copied out to the host
+after the stage's last backward and summed there, and the optimizer updates host copies of the
+parameters, which go back to the device after the step (``gems.pipeline.hostopt``).
+
 A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
 gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
 stage; sharded, each parameter by its owner). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
@@ -37,6 +42,7 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
+from gems.pipeline.hostopt import PLACEMENT, HostTier
 from gems.plan import formats
 from gems.schedule.topology import Topology
 
@@ -44,12 +50,16 @@ from gems.schedule.topology import Topology
 class GradSync:
     """Creates the sync groups (COLLECTIVE), makes every copy of a stage start equal, and owns
     the gradient bucket of the stages in ``stages`` ({stage: module} this rank holds) and their
-    BatchNorm layers under ``batch_norm`` (a ``gems.pipeline.batchnorm.MODES`` name)."""
+    BatchNorm layers under ``batch_norm`` (a ``gems.pipeline.batchnorm.MODES`` name); ``placements``:
+    {stage: where its model state lives} (default: all on the device)."""
 
     def __init__(self, comm, topology: Topology, stages: dict[int, nn.Module], device: torch.device,
                  clip_grad_norm: float | None, batch_norm: str = "micro-batch",
-                 parts: dict[int, list[tuple[nn.Module, list[int]]]] | None = None) -> None:
+                 parts: dict[int, list[tuple[nn.Module, list[int]]]] | None = None,
+                 placements: dict[int, str] | None = None) -> None:
         self.comm, self.topology, self.stages = comm, topology, stages
+        self._on_host = {s for s, where in (placements or {}).items() if where == PLACEMENT}
+        self.host = HostTier(device)   # filled by ``optimized`` with the parts of the stages placed on the host
         self.group, self.position, tile = topology.place(comm.rank)
         self.counts_norm = self.group == 0 and tile == 0   # counts its position's stage in the global norm
         self.clip_grad_norm = clip_grad_norm
@@ -129,28 +139,43 @@ class GradSync:
         that each member's are contiguous; the others' new values arrive after each step
         (``share``). Sharded, a part's parameters become views of one flat buffer laid out as their
         gradients are in the bucket (the Parameter objects stay), so that exchange is one allgather
-        per part, with no copies."""
-        if not shard or not self.shard_groups:
-            return [p for s in self.stages.values() for p in s.parameters()]
+        per part, with no copies. A part of a stage placed on the host is flattened so too, and the
+        optimizer gets the host copies of its parameters instead (``gems.pipeline.hostopt``)."""
+        sharded = shard and bool(self.shard_groups)
         owned: list[nn.Parameter] = []
         for key, mine in self._part_params.items():   # each part over its own sync group (a tiled one: every tile)
             group = self._parts[key][1]
-            if group is None:   # no other copy
+            bounds = None
+            if sharded and group is not None:
+                mine, bounds = _share(mine, group.size)
+                self._lay_out(key, mine)
+            flat = self._hold_on_host(key, mine) if key[0] in self._on_host and mine else None
+            if bounds is None:   # no other copy, or not sharded
                 owned += mine
                 continue
-            mine, bounds = _share(mine, group.size)
-            self._lay_out(key, mine)
             owned += mine[bounds[group.rank]:bounds[group.rank + 1]]
             if mine:   # the part's gradients are contiguous; member k's run of whole parameters a piece of them
-                lo = self._offsets[id(mine[0])]
-                hi = self._offsets[id(mine[-1])] + mine[-1].numel()
-                self._runs[key] = (self._flatten(mine, lo, hi), [self._offsets[id(mine[b])] - lo if b < len(mine)
-                                                                 else hi - lo for b in bounds])
+                lo, hi = self._span(mine)
+                self._runs[key] = (self._flatten(mine, lo, hi) if flat is None else flat,
+                                   [self._offsets[id(mine[b])] - lo if b < len(mine) else hi - lo for b in bounds])
+        if not sharded:
+            return [self.host.parameter(p) for s in self.stages.values() for p in s.parameters()]
         if not owned:
             raise GemsError(f"the stages of rank {self.comm.rank} have too few parameters to share their optimizer "
                             f"among {max(g.size for g in self.shard_groups)} ranks: train without --shard-optimizer")
         self._owned = {id(p) for p in owned}
-        return owned
+        return [self.host.parameter(p) for p in owned]
+
+    def _span(self, params: list[nn.Parameter]) -> tuple[int, int]:
+        """Where the gradients of ``params`` (contiguous, in this order) begin and end in the bucket."""
+        return self._offsets[id(params[0])], self._offsets[id(params[-1])] + params[-1].numel()
+
+    def _hold_on_host(self, key: tuple[int, int], params: list[nn.Parameter]) -> torch.Tensor:
+        """Part ``key`` in the host tier: its parameters become views of one device buffer laid out as
+        their gradients (one copy back per part), copied to the host. Returns the host copy."""
+        lo, hi = self._span(params)
+        flat = self._flatten(params, lo, hi)
+        return self.host.add(key, self._segments[key][0], flat, params, [self._offsets[id(p)] - lo for p in params])
 
     def _lay_out(self, key: tuple[int, int], ordered: list[nn.Parameter]) -> None:
         """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
@@ -188,6 +213,7 @@ class GradSync:
                     for key, (flat, bounds) in self._runs.items()]
         for req in requests:
             self.comm.wait(req, "the parameter exchange")
+        self.host.copy_back()
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
@@ -197,6 +223,7 @@ class GradSync:
             self.zero_grads()
             for p, view in self._views:
                 p.grad = view
+            self.host.attach()
 
         optimizer.zero_grad = zero_grad
 
@@ -210,6 +237,7 @@ class GradSync:
                 raise GemsError("a parameter's .grad was replaced by another tensor: gems keeps gradients "
                                 "in its sync bucket, so zero them with engine.optimizer.zero_grad() and "
                                 "never assign .grad")
+        self.host.attach()
 
     def begin_step(self) -> None:
         """Check that the gradients live in the bucket (re-attaching any set to None) and remember
@@ -228,16 +256,37 @@ class GradSync:
             grads.zero_()
 
     def start(self, stage: int) -> None:
-        """Start summing ``stage``'s segment over the sync group (its backward is complete here).
-        COLLECTIVE over the sync group, in the schedule's order of reduces."""
+        """Start summing ``stage``'s segment over the sync group (its backward is complete here); a
+        part on the host is copied out first (CUDA: its sum is posted at the sync, once the copy is
+        done). COLLECTIVE over the sync group, in the schedule's order of reduces."""
         for key, (_, group, _) in self._parts.items():
-            if key[0] == stage and group is not None:
-                self._reduces.append((key, self._issue(key) if self._overlap else None))
+            if key[0] != stage:
+                continue
+            if key in self.host:
+                self._copy_out(key)
+            if group is not None:
+                later = not self._overlap or (key in self.host and self.host.asynchronous)
+                self._reduces.append((key, None if later else self._issue(key)))
 
-    def _issue(self, key: tuple[int, int]):
-        segment, grads, copy, buffers = self._segments[key]
+    def _copy_out(self, key: tuple[int, int]) -> None:
+        """Part ``key``'s segment, its statistics gathered into it, on its way to the host."""
+        segment, _, copy, buffers = self._segments[key]
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
+        self.host.copy_out(key, segment)
+
+    def _summed(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """Part ``key``'s (segment, gradients, statistics' copy, statistics buffers) where it is summed:
+        on the device, or its host copy."""
+        if key in self.host:
+            return (*self.host.ready(key), self._segments[key][3])
+        return self._segments[key]
+
+    def _issue(self, key: tuple[int, int]):
+        if key not in self.host and self._segments[key][3]:
+            segment, _, copy, buffers = self._segments[key]
+            torch.cat([b.reshape(-1) for b in buffers], out=copy)
+        segment, grads, copy, buffers = self._summed(key)
         group = self._parts[key][1]
         if key not in self._runs:
             return self.comm.iallreduce(segment, group)
@@ -250,6 +299,11 @@ class GradSync:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
+        for key in self._parts:   # a lone copy on the host: its copy out (if no reduce action started it), done
+            if key in self.host and self._parts[key][1] is None:
+                if not self.host.copied(key):
+                    self._copy_out(key)
+                self.host.ready(key)
         synced = sorted(k for k, (_, g, _) in self._parts.items() if g is not None)
         if synced:
             reduces, self._reduces = self._reduces, []
@@ -258,7 +312,7 @@ class GradSync:
             reduces = [(k, self._issue(k) if req is None else req) for k, req in reduces]
             for key, req in reduces:
                 self.comm.wait(req, f"the gradient allreduce of stage {key[0]}")
-                _, _, copy, buffers = self._segments[key]
+                _, _, copy, buffers = self._summed(key)
                 if buffers:
                     copy /= self._parts[key][1].size
                     self._scatter(copy, buffers)
@@ -270,7 +324,8 @@ class GradSync:
             # each parameter counted once in the world: by its owner when sharded (only it holds the sum)
             counted = ([p for s in self.stages.values() for p in s.parameters() if id(p) in self._owned]
                        if self._owned is not None else list(self.stages[self.position].parameters()))
-            own = [p.grad.double().pow(2).sum() for p in counted if p.grad is not None]
+            grads = [self.host.grad(p) for p in counted]   # a stage on the host: its host copy holds the sums
+            own = [g.double().pow(2).sum().to(self._scalars.device) for g in grads if g is not None]
             if own:
                 self._scalars[1] = torch.stack(own).sum()
         self.comm.allreduce(self._scalars, None, "the loss allreduce")
@@ -299,9 +354,13 @@ class GradSync:
                 self.last_grad_norm = math.sqrt(float(self._scalars[1]))
                 scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
                 if scale < 1.0:
-                    for _, grads, _, _ in self._segments.values():
-                        grads.mul_(scale)
+                    for key, (_, grads, _, _) in self._segments.items():
+                        if key not in self.host:
+                            grads.mul_(scale)
+                    self.host.scale(scale)
             optimizer.step()
+            if not self.sharded:   # sharded: after the exchange (``share``)
+                self.host.copy_back()
             for _, norms in self.batch_norms:
                 norms.update()
         return applied

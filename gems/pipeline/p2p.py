@@ -36,15 +36,19 @@ class Messenger:
         rows: images per micro-batch (the batch dimension of every message).
         device: where the buffers live.
         prefetch: receives of the action list posted ahead of need (at least 1).
+        tile: this rank's tile of its position's tile group (0: the leader, or no tile group); a
+            member's ``lists`` are its members' (``gems.schedule.members``), its peers the ranks
+            holding the same tile, its messages its tile's (``Routes.carried``).
 
     Every message travels as one packed buffer (``gems.pipeline.packing``).
     """
 
     def __init__(self, comm, topology: Topology, lists: list[list[ir.Action]], position: int, routes: Routes,
-                 rows: int, device: torch.device, prefetch: int) -> None:
+                 rows: int, device: torch.device, prefetch: int, tile: int = 0) -> None:
         self.comm, self.device, self.rows, self.position = comm, device, rows, position
-        self._peer_rank = {a.peer: topology.peer(comm.rank, a.peer) for a in lists[position] if a.peer >= 0}
-        self._layouts = {(kind, edge): routes.layout(kind, edge, rows) for edge in routes.edges
+        group = topology.coords(comm.rank)[0]
+        self._peer_rank = {a.peer: topology.rank(group, a.peer, tile) for a in lists[position] if a.peer >= 0}
+        self._layouts = {(kind, edge): routes.layout(kind, edge, rows, tile) for edge in routes.edges
                          for kind in ir.MESSAGE_KINDS}
         self.posting = Posting(lists, position, prefetch)
         self._posted: dict[ir.Message, tuple] = {}        # receives posted, not yet consumed

@@ -24,12 +24,14 @@ class StageState:
 
     def __init__(self, comm, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
                  copy_holder: bool, model_keys: list[str], key: Callable[[str], str] = str,
-                 extras: dict[str, torch.Tensor] | None = None, shards=None) -> None:
+                 extras: dict[str, torch.Tensor] | None = None, shards=None,
+                 optimized: Callable[[nn.Parameter], torch.Tensor] = lambda p: p) -> None:
         self.comm, self.stages, self.optimizer = comm, stages, optimizer
         self.copy_holder, self._order = copy_holder, {k: i for i, k in enumerate(model_keys)}
         self.key = key              # a stage's state-dict key -> the model's (gems.graph.GraphUnits)
         self.extras = extras or {}  # model state no unit uses (e.g. an unused head): kept as loaded
         self.shards = shards        # the sync groups sharing the optimizer, in one order (None: this rank's holds all)
+        self.optimized = optimized  # a stage's parameter -> the one the optimizer updates (a host copy, or itself)
 
     def _own(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """A stage's state, keyed by the model's names (a tensor two units share appears once)."""
@@ -48,7 +50,7 @@ class StageState:
 
     def _opt_names(self) -> list[str]:
         """Parameter names in the optimizer's own index order."""
-        name_of = {id(p): self.key(n) for s in self.stages.values() for n, p in s.named_parameters()}
+        name_of = {id(self.optimized(p)): self.key(n) for s in self.stages.values() for n, p in s.named_parameters()}
         return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def stage_state(self, stage: int) -> dict:

@@ -5,31 +5,21 @@ A tile group's leader runs its position's action list as any rank does; the forw
 backwards of its tiled stages (stage 0, and the last with a suffix) are collective over its tile
 group. A member runs only those, plus their reduces, the sync and the step (its parameters are
 their tiled units'), in the leader's order -- so every member issues the tile exchanges in the
-same order -- and exchanges no pipeline message: the leader gathers a prefix's boundary from the
-tiles and sends it on, and scatters a suffix's inputs to them. A member's stage keeps every unit's
-place (``gems.spatial.stage.Pass`` for those only the leader runs), so its policy is the leader's.
+same order (``gems.schedule.members``). The leader gathers a prefix's boundary from the tiles and
+sends it on, and scatters a suffix's inputs to them, but for the skips that go tile to tile
+(``gems.pipeline.routes``): those each member sends and receives itself, to and from the member
+holding the same tile on the other side. A member's stage keeps every unit's place
+(``gems.spatial.stage.Pass`` for those only the leader runs), so its policy is the leader's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from gems.schedule import ir
+from gems.graph.split import LIVE_IN
 from gems.schedule.topology import Topology
 from gems.spatial import TiledUnit, TileGroup, tile_stage
-
-
-class NoMessages:
-    """A member's messenger: it exchanges no pipeline message (its leader does)."""
-
-    def __init__(self, position: int) -> None:
-        self.position = position
-
-    def begin_step(self) -> None:
-        pass
-
-    def finish_sends(self) -> None:
-        pass
+from gems.spatial.stage import tile_skips
 
 
 def tile_groups(comm, topology: Topology, grid: list[int]) -> TileGroup | None:
@@ -47,22 +37,18 @@ def tile_groups(comm, topology: Topology, grid: list[int]) -> TileGroup | None:
     return mine
 
 
-def member_actions(actions: list[ir.Action], stages: set[int]) -> list[ir.Action]:
-    """A member's actions: its leader's compute and reduces of the tiled ``stages``, the sync and
-    the step."""
-    return [a for a in actions if a.op in (ir.SYNC, ir.STEP) or (a.stage in stages and (a.op in ir.COMPUTE
-                                                                                       or a.op == ir.REDUCE))]
-
-
 def tiled_stage(module: nn.Sequential, stage: int, plan, tiles: TileGroup, rows: int,
                 model: nn.Sequential) -> nn.Sequential:
     """Stage ``stage`` with its spatial units tiled: stage 0's prefix ``[0, plan.spatial_end)``,
     the last stage's suffix ``[plan.spatial_start, ...)`` (``model``: every unit, to size it)."""
-    first = plan.cuts[stage]
+    first, last = plan.cuts[stage], plan.cuts[stage + 1]
     end = plan.spatial_end if stage == 0 else 0
     start = plan.spatial_start if stage == plan.stages - 1 else 0
+    units = list(model)
+    skips = tile_skips(units, plan.cuts, plan.spatial_end, plan.spatial_start)
+    after = units[last].meta[LIVE_IN] if skips and last < len(units) else ()
     return tile_stage(module, first, end, plan.unit_names, tiles, torch.Size((rows, *plan.input_shape)), start,
-                      list(model)[:first])
+                      units[:first], skips, after)
 
 
 def sync_parts(topology: Topology, rank: int, stages: dict[int, nn.Module]) -> dict | None:

@@ -27,6 +27,15 @@ MIN_OFFLOAD_BYTES = 64 * 1024
 # How a plan's stages hold 4-D tensors (Plan.memory_format): torch.contiguous_format, torch.channels_last.
 MEMORY_FORMATS = ("contiguous", "channels_last")
 
+# Where a stage's model state lives (StagePolicy.state_placement): "device" -- parameters, gradients and
+# optimizer state on the stage's device; "host-optimizer" -- the optimizer's state and its update in host
+# memory, gradients copied out after the stage's last backward and the new parameters copied back
+# (gems.pipeline.hostopt).
+STATE_PLACEMENTS = ("device", "host-optimizer")
+# What --state-placement (and partition.plan's state_placement) may ask for: one of those on every stage,
+# "host" (parameters on the host too, Harmony's swapping) or "auto" (the planner chooses per stage).
+PLACEMENT_CHOICES = (*STATE_PLACEMENTS, "host", "auto")
+
 
 @dataclass
 class StagePolicy:
@@ -38,10 +47,12 @@ class StagePolicy:
     segment per unit is per-unit recomputation; units in no segment keep their activations.
     ``offload``: tensors the stage saves for backward (after recomputation, only what is
     still saved) go to host memory and come back before the backward.
+    ``state_placement``: where the stage's model state lives, one of ``STATE_PLACEMENTS``.
     """
 
     recompute: list[list[int]] = field(default_factory=list)
     offload: bool = False
+    state_placement: str = "device"
 
     def checkpointed(self, waiting: bool, end_unit: int) -> list[list[int]]:
         """The recompute segments one forward of the stage ending before unit ``end_unit`` runs
@@ -92,6 +103,12 @@ class StageEstimate:
     split_bytes: int = 0              # kept per micro-batch between the halves of a split backward: the
                                       # gradients the weight half starts from (gems.pipeline.splitgrad)
     sends: list[list[int]] = field(default_factory=list)   # [consumer stage, bytes] per message it sends per micro-batch
+    # model state its placement keeps in host memory on each holder (optimizer state, the parameters' and the
+    # gradient segment's host copies), and what goes between device and host per step, both ways together
+    # (gems.partition.placement); 0 on the device
+    host_state_bytes: int = 0
+    swap_bytes: int = 0
+    host_seconds: float = 0.0   # per step on each holder: the host update and the parameters' copy back
 
     @property
     def static_bytes(self) -> int:
@@ -121,6 +138,8 @@ class PositionEstimate:
     send_bytes: int = 0               # message buffers at most (in peak_bytes): receives posted ahead, packed
                                       # copies of activations still being sent
     member_peak_bytes: int = 0        # a tile group's other ranks' peak (0: not a tile group, or an older plan)
+    received_bytes: list[int] = field(default_factory=list)   # pipeline message bytes each rank receives per
+                                      # step: the leader's, then each tile group member's ([]: an older plan)
 
 
 @dataclass
@@ -168,6 +187,9 @@ class Plan:
     # Per position, host memory that offload holds at its highest (the bound of the rank's pinned
     # pool, gems.pipeline.offload.HostPool); not in any *_bytes above. Empty unless offloading saves memory.
     host_bytes: list[int] = field(default_factory=list)
+    # Per position, host memory that model state placed on the host holds (StageEstimate.host_state_bytes of its
+    # stages); not in host_bytes nor in any *_bytes above. Empty when every stage's state is on the device.
+    state_host_bytes: list[int] = field(default_factory=list)
     # Module paths or class names traced whole (gems.graph.graph_units): the engine traces the
     # model with them too, so both see the same units.
     leaf_modules: list[str] = field(default_factory=list)
@@ -287,9 +309,9 @@ class Plan:
                 for s, route in enumerate(self.routes) for r in route)):
             raise GemsError("the plan's routes do not say where each stage's inputs come from: regenerate it "
                             "with gems-plan --json")
-        if self.host_bytes and len(self.host_bytes) != K:
-            raise GemsError(f"the plan has {len(self.host_bytes)} host memory figures for {K} positions: "
-                            "regenerate it with gems-plan --json")
+        if self.host_bytes and len(self.host_bytes) != K or self.state_host_bytes and len(self.state_host_bytes) != K:
+            raise GemsError(f"the plan has {len(self.host_bytes or self.state_host_bytes)} host memory figures for {K} "
+                            "positions: regenerate it with gems-plan --json")
         if len(self.stage_estimates) != K or len(self.positions) != K:
             raise GemsError(f"the plan has {len(self.stage_estimates)} stage and {len(self.positions)} position "
                             f"estimates for {K} stages: regenerate it with gems-plan --json")
@@ -317,6 +339,9 @@ class Plan:
                             f"stage (units {self.cuts[-2]}..{self.cuts[-1] - 1}) after the spatial prefix (ending at "
                             f"{self.spatial_end}): fix the plan or regenerate it with gems-plan --spatial")
         for s, policy in enumerate(self.policies):
+            if policy.state_placement not in STATE_PLACEMENTS:
+                raise GemsError(f"stage {s}'s state placement {policy.state_placement!r} is not one of "
+                                f"{', '.join(STATE_PLACEMENTS)}: fix the plan's policies")
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
             for seg in policy.recompute:
                 if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and end <= seg[0] < seg[1] <= hi):

@@ -14,7 +14,8 @@ from gems.errors import GemsError
 
 
 # Fields of Plan added after its JSON was first written, with the defaults that leave them out of it.
-_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "leaf_modules": [], "forward_bytes": [],
+_LATER_FIELDS = {"amp": "none", "device_overhead": {}, "host_bytes": [], "state_host_bytes": [], "leaf_modules": [],
+                 "forward_bytes": [],
                  "routes": [], "spatial_grid": [], "spatial_end": 0, "spatial_start": 0,
                  "memory_format": "contiguous", "compiled": False}
 

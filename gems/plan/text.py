@@ -13,6 +13,7 @@ def table(plan) -> str:
     that carry more than one tensor or skip stages, the budget."""
     shape = "x".join(map(str, plan.input_shape))
     policed = any(p.kind != "none" for p in plan.policies)
+    placed = bool(plan.state_host_bytes)   # some stage's model state in host memory (gems.partition.placement)
     lines = [
         f"model {plan.model_name}, input {shape}, batch {plan.batch_size} "
         f"({plan.micro_batch_size} per micro-batch), {plan.groups} group(s), {plan.dtype}"
@@ -23,21 +24,24 @@ def table(plan) -> str:
         + (f"; order: {plan.order}" if plan.order else "") + ("; split backward" if plan.split_backward else ""),
         *_spatial(plan),
         "",
-        _rows(["stage", "units", "first..last unit", "params", "policy", "activations/mb"]
+        _rows(["stage", "units", "first..last unit", "params", "policy"] + ["state"] * placed + ["activations/mb"]
               + ["w/o policy"] * policed + ["between halves/mb"] * plan.split_backward + ["output/mb", "GFLOP/mb"],
               [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
-                policy.label, format_size(s.activation_bytes)]
+                policy.label] + [policy.state_placement] * placed + [format_size(s.activation_bytes)]
                + [format_size(s.plain_activation_bytes)] * policed
                + [format_size(s.split_bytes)] * plan.split_backward
                + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
                for s, policy in zip(plan.stage_estimates, plan.policies)]),
         "",
         _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
-              + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(plan.host_bytes) + ["GFLOP/step"],
+              + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(plan.host_bytes)
+              + ["host (state)", "swap/step"] * placed + ["GFLOP/step"],
               [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
                 format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
                + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
                + ([format_size(plan.host_bytes[p.position])] if plan.host_bytes else [])
+               + ([format_size(plan.state_host_bytes[p.position]),
+                   format_size(sum(plan.stage_estimates[s].swap_bytes for s in p.stages))] if placed else [])
                + [f"{p.flops / 1e9:.1f}"] for p in plan.positions]),
         "",
         f"imbalance (max/mean {plan.balance_by} over positions): {plan.imbalance:.3f}",
@@ -50,8 +54,9 @@ def table(plan) -> str:
     if plan.step_seconds is not None:
         without = f" with the policies, {plan.plain_step_seconds:.3f} s without" if policed else ""
         halos = " but for the tile groups' halos and gathers, inside a node" if plan.spatial_grid else ""
+        host = ", host updates and copies back after the sync included" if placed else ""
         lines.append(f"predicted step {plan.step_seconds:.3f} s{without} (at {plan.flops_per_second / 1e12:.2f} "
-                     f"TFLOP/s sustained, network not counted{halos})")
+                     f"TFLOP/s sustained, network not counted{halos}{host})")
     besides = ""
     if plan.device_overhead:
         parts = ", ".join(f"{name} {format_size(n)}" for name, n in plan.device_overhead.items())

@@ -10,6 +10,8 @@ reach outside ``[0, size)``: those rows are the operation's padding, filled, nev
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
 Range = tuple[int, int]
 
 
@@ -31,6 +33,38 @@ def window_need(out: Range, kernel: int, stride: int, pad_lo: int, dilation: int
     ``o*stride - pad_lo + d*k`` for k in 0..kernel-1."""
     lo, hi = out
     return lo * stride - pad_lo, (hi - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
+
+
+@dataclass(frozen=True)
+class Sliding:
+    """A sliding window along one axis, padded alike at both ends of the image: what ``window_need``
+    takes, and which output rows a tile computes from its own rows alone."""
+
+    kernel: int
+    stride: int
+    pad: int
+    dilation: int = 1
+
+    def need(self, out: Range) -> Range:
+        return window_need(out, self.kernel, self.stride, self.pad, self.dilation)
+
+    def inner(self, out: Range, own: Range, size: int) -> Range:
+        """The rows of ``out`` whose windows read only rows of ``own`` or the image's padding
+        (outside ``[0, size)``): those a tile computes before its halo arrives; may be empty."""
+        lo, hi = out
+        if own[0] > 0:
+            lo = max(lo, -(-(own[0] + self.pad) // self.stride))
+        if own[1] < size:
+            hi = min(hi, (own[1] - 1 + self.pad - self.dilation * (self.kernel - 1)) // self.stride + 1)
+        lo = min(lo, out[1])
+        return lo, max(lo, hi)
+
+    def alone(self, out: Range, own: Range) -> bool:
+        """Whether the window on rows ``own`` alone, padded at both ends as the image is, makes
+        exactly the output rows ``out``: its first output row is ``out``'s first, and as many."""
+        length = own[1] - own[0]
+        count = (length + 2 * self.pad - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
+        return own[0] == out[0] * self.stride and count == out[1] - out[0]
 
 
 def transposed_need(out: Range, size: int, kernel: int, stride: int, pad: int, dilation: int = 1) -> Range:

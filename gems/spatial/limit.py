@@ -23,10 +23,11 @@ import torch
 from torch import fx, nn
 
 from gems.errors import GemsError
-from gems.spatial.geometry import halo
+from gems.spatial.geometry import Sliding, halo, parts
 from gems.spatial.ops import _pair, conv_padding
 from gems.spatial.stage import check_grid, flatten, input_shapes
 from gems.spatial.unit import Unsized, analyse, record_sizes
+from gems.spatial.window import worth_alone
 
 HW = tuple[int, int]
 
@@ -45,6 +46,7 @@ class Window:
     dilation: HW
     batch: int
     channels: int
+    kind: str = "conv"     # "conv", "max" or "avg" pooling: how gems.spatial runs it (``copies``)
 
     def halos(self, grid: HW) -> HW:
         """The most rows and columns any tile of this layer's input fetches beyond its own."""
@@ -60,20 +62,44 @@ class Window:
     def copies(self, grid: HW) -> tuple[int, int]:
         """Elements of the copies of its tile this layer holds at once beyond PyTorch's own layer
         (which reads its saved input in place and makes one input gradient) and beyond the halo
-        that ``fetched`` counts twice in backward; (forward, backward). ``gems.spatial.halo._Window``
+        that ``fetched`` counts twice in backward; (forward, backward). ``gems.spatial.window``
         joins the tile with each halo in turn (one per split axis): forward holds the joined
         region while it computes, a tile more; backward rebuilds the regions and cuts the
         gradient of each from the one above it -- one halo: the region, the region's gradient and
         the tile's, two tiles more; two: both regions, the outer one's gradient and the inner's,
-        two inner regions and a tile more."""
+        two inner regions and a tile more. Where every tile computes alone while its one halo
+        travels (``alone``), forward joins no region (the border's rows only), nor does a
+        convolution's backward."""
         (hr, hc), (tr, tc) = self.halos(grid), (math.ceil(self.size_in[0] / grid[0]),
                                                 math.ceil(self.size_in[1] / grid[1]))
         tile = tr * tc
         if not (hr or hc):
             return 0, 0
+        if self.alone(grid):
+            return 0, 0 if self.kind == "conv" else 2 * self.batch * self.channels * tile
         inner = (tr + hr) * tc if hr else tr * (tc + hc)   # the region after the first halo
         backward = 2 * inner + tile if hr and hc else 2 * tile
         return self.batch * self.channels * tile, self.batch * self.channels * backward
+
+    def alone(self, grid: HW) -> bool:
+        """Whether every tile of ``grid`` computes this layer from its own rows while its halo, along
+        one axis, travels (``gems.spatial.window._alone``: its output rows start where its rows do,
+        some of them read no halo, and the border's convolutions cost less than joining the region:
+        ``worth_alone``, here for a filter of ``channels`` input channels)."""
+        halos = self.halos(grid)
+        if self.kind == "avg" or sum(1 for h in halos if h) != 1:   # average pooling fetches its halo first
+            return False
+        outputs = math.ceil(self.size_out[0] / grid[0]) * math.ceil(self.size_out[1] / grid[1])
+        filter_size = self.channels * self.kernel[0] * self.kernel[1] if self.kind == "conv" else None
+        if not worth_alone(outputs, filter_size):
+            return False
+        a = 0 if halos[0] else 1
+        w = Sliding(self.kernel[a], self.stride[a], self.pad[a], self.dilation[a])
+        for own, out in zip(parts(self.size_in[a], grid[a]), parts(self.size_out[a], grid[a])):
+            inner = w.inner(out, own, self.size_in[a])
+            if not w.alone(out, own) or inner[0] >= inner[1]:
+                return False
+        return True
 
     def traffic(self, grid: HW) -> int:
         """Elements the whole grid exchanges: halo rows x image width per border between rows of
@@ -190,4 +216,5 @@ def _window(unit: fx.GraphModule, n: fx.Node, k: int, shapes: dict) -> list[Wind
         geometry = kernel, stride, _pair(m.padding), _pair(getattr(m, "dilation", 1))
     else:
         return []
-    return [Window(k, tuple(source[2:]), tuple(shapes[n][2:]), *geometry, source[0], source[1])]
+    kind = "conv" if isinstance(m, nn.Conv2d) else "max" if isinstance(m, nn.MaxPool2d) else "avg"
+    return [Window(k, tuple(source[2:]), tuple(shapes[n][2:]), *geometry, source[0], source[1], kind)]

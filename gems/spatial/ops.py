@@ -1,7 +1,7 @@
 """Layers on tiles: each computes this tile's part of its global output, exactly.
 
 A handler takes the tiled input(s), the global (H, W) of its input and output, and the layer's
-own settings, fetches the halo its window needs (``gems.spatial.halo``, the layer's
+own settings, fetches the halo its window needs (``gems.spatial.halo``, ``gems.spatial.window``; the layer's
 padding value outside the image) and runs the stock PyTorch function with padding 0 on the
 fetched region, so no arithmetic is written by hand except where PyTorch's own formula must be
 evaluated for one tile's output range (interpolation's source rows, normalisation statistics
@@ -9,6 +9,7 @@ summed over the tile group).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.plan import formats
-from gems.spatial.geometry import parts, transposed_covers, transposed_need, window_need
-from gems.spatial.halo import Conv, Halo, MaxPool, fetch, fetch_halo, window
+from gems.spatial.geometry import Sliding, parts, transposed_covers, transposed_need, window_need
+from gems.spatial.halo import Halo, fetch, fetch_halo
 from gems.spatial.tiles import TileGroup, allreduce
+from gems.spatial.window import Conv, MaxPool, window
 
 HW = tuple[int, int]
 DIMS = (2, 3)
@@ -43,9 +45,9 @@ def halos(tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo, d
         if _count(tiles, dim) == 1 and symmetric:
             pads[axis] = p
             continue
-        outs = parts(size_out[axis], _count(tiles, dim))
-        found.append(Halo.of(tiles, dim, size_in[axis],
-                             lambda i, own, outs=outs, k=k, s=s, p=p, d=d: window_need(outs[i], k, s, p, d), fill))
+        h = Halo.sliding(tiles, dim, size_in[axis], size_out[axis], Sliding(k, s, p, d), fill)
+        # padded unlike at its two ends, a tile cannot start alone with the layer's padding (window._alone)
+        found.append(h if symmetric else dataclasses.replace(h, window=None))
     return found, tuple(pads)
 
 
@@ -163,6 +165,10 @@ def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode=
         scales = tuple(scale_factor)
     if size is not None or recompute_scale_factor:
         scales = (None, None)
+    factors = [size_out[a] // size_in[a] if size_out[a] % size_in[a] == 0 else 0 for a in (0, 1)]
+    native = mode in ("nearest", "bilinear") and not align_corners and not antialias and all(
+        f and not f & (f - 1) and scales[a] in (None, f) for a, f in enumerate(factors))
+    kept = []
     for axis, dim in enumerate(DIMS):
         # every tile's source rows and weights, once: the fetch needs each tile's reach
         every = [_source(out, size_in[axis], size_out[axis], "nearest" if mode == "nearest" else "linear",
@@ -171,6 +177,11 @@ def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode=
         region = fetch(x, tiles, dim, size_in[axis], lambda i, own: reach[i])
         me = tiles.line(dim)[1]
         base = reach[me][0]
+        if native:   # PyTorch's own kernel on the region below, then this tile's rows of its result
+            x = region
+            out = parts(size_out[axis], _count(tiles, dim))[me]
+            kept.append((dim, out[0] - factors[axis] * base, out[1] - out[0]))
+            continue
         result = None
         for rows, weight in every[me]:
             part = region.index_select(dim, (rows - base).to(x.device))
@@ -180,6 +191,14 @@ def interpolate(x, tiles, size_in, size_out, size=None, scale_factor=None, mode=
                 part = part * weight.to(x.device, x.dtype).view(shape)
             result = part if result is None else result + part
         x = result
+    if native:
+        # an upsampling by a power of two computes the same source rows and weights from any
+        # region's first row (exact binary fractions), and the region holds every row this
+        # tile's outputs read: the kernel on the region gives the tile's rows bit for bit
+        x = F.interpolate(x, scale_factor=tuple(float(f) for f in factors), mode=mode,
+                          align_corners=None if mode == "nearest" else align_corners)
+        for dim, start, length in kept:
+            x = x.narrow(dim, start, length)
     return x
 
 
@@ -205,7 +224,7 @@ def shift(x, tiles, size_in, size_out, offsets: tuple[int, int], fill: float = 0
 
 def spatial_sum(x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
     """Σ over the image of each (N, C): this tile's sums added over the tile group (N, C, 1, 1)."""
-    return allreduce(x.sum(DIMS, keepdim=True), tiles)
+    return allreduce(x.sum(DIMS, keepdim=True), tiles, f"sum {tiles.layer}")
 
 
 def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
@@ -244,14 +263,14 @@ class _BatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tiles: TileGroup, n: int, eps: float):
         mean, var = _tile_stats(x, tiles, n)
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.tiles, ctx.n, ctx.eps = tiles, n, eps
+        ctx.tiles, ctx.n, ctx.eps, ctx.layer = tiles, n, eps, tiles.layer
         ctx.mark_non_differentiable(mean, var)
         return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps), mean, var
 
     @staticmethod
     def backward(ctx, grad, _mean, _var):
         x, weight, mean, var = ctx.saved_tensors
-        gx, dw, db = _tile_input_grad(grad, x, weight, mean, var, ctx.tiles, ctx.n, ctx.eps)
+        gx, dw, db = _tile_input_grad(grad, x, weight, mean, var, ctx.tiles, ctx.n, ctx.eps, ctx.layer)
         return gx, (dw if ctx.needs_input_grad[1] else None), (db if ctx.needs_input_grad[2] else None), \
             None, None, None
 
@@ -263,27 +282,44 @@ def _tile_stats(x: torch.Tensor, tiles: TileGroup, n: int) -> tuple[torch.Tensor
     (var + mean²): exact enough in float64 whatever the mean)."""
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     count = x.numel() // x.shape[1]
-    sums = allreduce(torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count]), tiles) / n
+    sums = torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
+    sums = allreduce(sums, tiles, f"stats {tiles.layer}") / n
     return sums[0].to(x.dtype), (sums[1] - sums[0].square()).clamp_min(0).to(x.dtype)
 
 
 def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-                     var: torch.Tensor, tiles: TileGroup, n: int, eps: float):
+                     var: torch.Tensor, tiles: TileGroup, n: int, eps: float, layer: str):
     """(dx, Σ dy·x̂, Σ dy) of a normalisation per channel (dim 1) with statistics over every tile:
-    PyTorch's eval-mode backward gives this tile's sums, added over the tiles they make
-    dx = a·dy + b·x + c per channel, two fused passes. The statistics go in as both the running
-    and the saved ones: the CPU kernel's eval mode reads the running pair, CUDA's reads the saved
-    mean and inverse deviation whenever it reduces (it asserts they are given)."""
+    PyTorch's eval-mode backward gives this tile's sums (``_sums``), added over the tiles they
+    make dx (``_input_grad``)."""
     ones = torch.ones_like(mean) if weight is None else weight
     invstd = torch.rsqrt(var + eps)
-    _, dw, db = torch.ops.aten.native_batch_norm_backward(formats.dense(grad), x, ones, mean, var, mean, invstd,
-                                                          False, eps, [False, True, True])
-    total = allreduce(torch.stack([db, dw]), tiles) / n   # mean(dy), mean(dy·x̂) per channel
-    a = invstd * ones                       # dx = a·(dy - mean(dy) - x̂·mean(dy·x̂))
-    b = -a * invstd * total[1]              # coefficient of x
-    c = -a * total[0] - b * mean            # the rest
+    dw, db = _sums(grad, x, mean, var, invstd, eps)
+    total = allreduce(torch.stack([db, dw]), tiles, f"stats-grad {layer}") / n   # mean(dy), mean(dy·x̂) per channel
+    return _input_grad(grad, x, mean, invstd, ones, ones * total[0], ones * total[1]), dw, db
+
+
+def _sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ dy·x̂, Σ dy) per channel (dim 1) of this tile, in one fused pass: PyTorch's eval-mode
+    BatchNorm backward. The statistics go in as both the running and the saved ones: the CPU
+    kernel's eval mode reads the running pair, CUDA's reads the saved mean and inverse deviation
+    whenever it reduces (it asserts they are given)."""
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(formats.dense(grad), x, torch.ones_like(mean), mean, var,
+                                                          mean, invstd, False, eps, [False, True, True])
+    return dw, db
+
+
+def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                weight: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """dx = invstd·(weight·dy - m1 - x̂·m2) per channel (dim 1), ``m1``, ``m2`` the means of
+    weight·dy and weight·dy·x̂ over the channel's statistics' elements: a·dy + b·x + c, two fused
+    passes."""
+    a = invstd * weight
+    b = -invstd * invstd * m2               # coefficient of x
+    c = -invstd * m1 - b * mean             # the rest
     view = (1, -1) + (1,) * (x.dim() - 2)
-    return torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view)), dw, db
+    return torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view))
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
@@ -296,39 +332,45 @@ class _GroupNorm(torch.autograd.Function):
     """GroupNorm over a tile group, keeping only its input for backward as PyTorch's does (a
     composition of tensor ops would keep the centred and the normalised tile too).
 
-    Each (sample, group) is one channel of ``x`` viewed as (1, N x G, rest), so the statistics and
-    the input's gradient are ``_BatchNorm``'s on that view: PyTorch's fused statistics and
-    eval-mode backward per tile, their sums added over the tiles. The weight's and bias's
-    gradients are this tile's Σ dy·x̂ and Σ dy (summed over the tiles later by the gradient sync)."""
+    Statistics: each (sample, group) is one channel of ``x`` viewed as (1, N x G, rest), so they
+    are ``_BatchNorm``'s on that view (PyTorch's fused statistics per tile, added over the tiles).
+    The rest works on ``x`` viewed as (1, N x C, rest), each (sample, channel) one channel with
+    its group's statistics and its channel's weight: forward normalises and scales in one pass;
+    backward takes this tile's Σ dy·x̂ and Σ dy per (sample, channel) in one (``_sums``) -- summed
+    over the samples, the weight's and bias's gradients (added over the tiles later by the
+    gradient sync); weighted and summed over each group and the tiles, the input gradient's means
+    (``_input_grad``, two passes)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tiles: TileGroup, groups: int, n: int, eps: float):
         N, C = x.shape[:2]
-        view = x.reshape(1, N * groups, -1)
-        mean, var = _tile_stats(view, tiles, n)
-        y = F.batch_norm(view, mean, var, None, None, False, 0.0, eps).reshape(x.shape)
-        if weight is not None:
-            y = torch.addcmul(bias.view(1, C, 1, 1), y, weight.view(1, C, 1, 1)) if bias is not None \
-                else y * weight.view(1, C, 1, 1)
-        elif bias is not None:
-            y = y + bias.view(1, C, 1, 1)
+        mean, var = _tile_stats(x.reshape(1, N * groups, -1), tiles, n)
+        per = _per_channel(N, C, groups)
+        y = F.batch_norm(x.reshape(1, N * C, -1), per(mean), per(var), None if weight is None else weight.repeat(N),
+                         None if bias is None else bias.repeat(N), False, 0.0, eps)
+        y = y.reshape(x.shape).detach()   # not a view of the kernel's result: the next layer may change it in place
         ctx.save_for_backward(x, weight, mean, var)
         ctx.tiles, ctx.groups, ctx.n, ctx.eps, ctx.has_bias = tiles, groups, n, eps, bias is not None
+        ctx.layer = tiles.layer
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, mean, var = ctx.saved_tensors
-        N, C = x.shape[:2]
-        view = x.reshape(1, N * ctx.groups, -1)
-        dxhat = (grad * weight.view(1, C, 1, 1) if weight is not None else grad).reshape(view.shape)
-        gx = _tile_input_grad(dxhat, view, None, mean, var, ctx.tiles, ctx.n, ctx.eps)[0].reshape(x.shape)
-        gw = gb = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            xhat = F.batch_norm(view, mean, var, None, None, False, 0.0, ctx.eps).reshape(x.shape)
-            gw = (grad * xhat).sum((0, 2, 3))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = grad.sum((0, 2, 3))
+        (N, C), G = x.shape[:2], ctx.groups
+        per = _per_channel(N, C, G)
+        x2, grad2 = x.reshape(1, N * C, -1), formats.dense(grad).reshape(1, N * C, -1)
+        invstd = torch.rsqrt(var + ctx.eps)
+        dw, db = _sums(grad2, x2, per(mean), per(var), per(invstd), ctx.eps)   # per (sample, channel)
+        w = torch.ones_like(dw) if weight is None else weight.repeat(N)
+        sums = torch.stack([(w * db).view(N, G, -1).sum(2), (w * dw).view(N, G, -1).sum(2)]).view(2, N * G)
+        total = allreduce(sums, ctx.tiles, f"stats-grad {ctx.layer}") / ctx.n   # per (sample, group)
+        gx = _input_grad(grad2, x2, per(mean), per(invstd), w, per(total[0]), per(total[1])).reshape(x.shape)
+        gw = dw.view(N, C).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = db.view(N, C).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None, None
 
 
+def _per_channel(N: int, C: int, groups: int):
+    """(N x groups,) values of each (sample, group) -> (N x C,) of each (sample, channel)."""
+    return lambda v: v.view(N, groups, 1).expand(N, groups, C // groups).reshape(N * C)

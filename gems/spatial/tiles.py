@@ -14,6 +14,7 @@ in posting order; they travel with one tag, ``TILE_TAG``, apart from the pipelin
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,9 @@ TILE_TAG = 1_000_000   # above every pipeline message tag (gems.schedule.ir.Mess
 # Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
 # the communicator's back-off sleeps begin (gems.comm.base.Backoff.spin).
 SPIN_SECONDS = 2e-3
+# ... and sleep at most this long between tests after it: a tile's wait holds up every member of the
+# group, so a late wake-up is lost on all of them (the communicator's longer cap suits waits off that path).
+LONGEST_SLEEP = 2.5e-4
 
 
 @dataclass(eq=False)
@@ -39,6 +43,11 @@ class TileGroup:
     grid: tuple[int, int]
     index: int
     group: object = field(default=None, repr=False)
+    # the engine's timer (``now()``, ``span(label, start, end)``): every wait of the group's exchanges
+    # a span on the step's timeline, labelled with what it waits for and the layer (``layer``,
+    # set by ``gems.spatial.unit`` as each layer runs); None: nothing recorded
+    timer: object = field(default=None, repr=False)
+    layer: str = field(default="", repr=False)
 
     @property
     def size(self) -> int:
@@ -73,9 +82,9 @@ class TileGroup:
         return x[:, :, r0:r1, c0:c1]
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-                 what: str) -> None:
+                 what: str, span: str = "exchange") -> None:
         """Post every send and receive (world peer, tensor) as one batch and wait for all."""
-        self.wait(self.post(sends, recvs), what)
+        self.wait(self.post(sends, recvs), what, span)
 
     def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
         """Start ``exchange``'s messages without waiting; ``wait`` for the returned requests."""
@@ -83,33 +92,52 @@ class TileGroup:
         ops += [P2POp("recv", (t,), peer, TILE_TAG) for peer, t in recvs]
         return self.comm.ibatch(ops)
 
-    def wait(self, requests: list, what: str) -> None:
-        for req in requests:
-            self.comm.wait(req, what, self.backoff)
+    def wait(self, requests: list, what: str, span: str = "exchange") -> None:
+        """Wait for ``requests`` (``post``'s), the wait a span ``span`` on the timeline."""
+        with self.timed(span):
+            for req in requests:
+                self.comm.wait(req, what, self.backoff)
+
+    @contextmanager
+    def timed(self, label: str):
+        """The body a span ``label`` on the timer's timeline (nothing without a timer)."""
+        if self.timer is None:
+            yield
+            return
+        start = self.timer.now()
+        try:
+            yield
+        finally:
+            self.timer.span(label, start, self.timer.now())
 
     @property
     def backoff(self):
-        return dataclasses.replace(self.comm.backoff, spin=SPIN_SECONDS)
+        return dataclasses.replace(self.comm.backoff, spin=SPIN_SECONDS,
+                                   longest=min(self.comm.backoff.longest, LONGEST_SLEEP))
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
-        ctx.tiles = tiles
+    def forward(ctx, x: torch.Tensor, tiles: TileGroup, span: str) -> torch.Tensor:
+        kind, _, layer = span.partition(" ")
+        ctx.tiles, ctx.span = tiles, f"{kind}-grad {layer}"
         out = formats.dense(x.clone())
-        tiles.comm.allreduce(out, tiles.group, "a tile group's sum", tiles.backoff)
+        with tiles.timed(span):
+            tiles.comm.allreduce(out, tiles.group, "a tile group's sum", tiles.backoff)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = formats.dense(grad.clone())
-        ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum", ctx.tiles.backoff)
-        return out, None
+        with ctx.tiles.timed(ctx.span):
+            ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum", ctx.tiles.backoff)
+        return out, None, None
 
 
-def allreduce(x: torch.Tensor, tiles: TileGroup) -> torch.Tensor:
-    """The sum of ``x`` over the tile group, on every member (differentiable)."""
-    return x if tiles.size == 1 else _AllReduce.apply(x, tiles)
+def allreduce(x: torch.Tensor, tiles: TileGroup, span: str) -> torch.Tensor:
+    """The sum of ``x`` over the tile group, on every member (differentiable); its wait the span
+    ``span`` ("kind layer") on the timeline, its gradient's "kind-grad layer"."""
+    return x if tiles.size == 1 else _AllReduce.apply(x, tiles, span)
 
 
 class _Gather(torch.autograd.Function):
@@ -121,18 +149,19 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, tiles: TileGroup, shapes: list[tuple[int, ...]], *xs: torch.Tensor):
         ctx.tiles, ctx.tile_shapes = tiles, [tuple(x.shape) for x in xs]
         if not tiles.leader:
-            tiles.exchange([(tiles.ranks[0], x) for x in xs], [], "the leader to take a tile")
+            tiles.exchange([(tiles.ranks[0], x) for x in xs], [], "the leader to take a tile", "gather")
             return tuple(x.new_zeros(()) for x in xs)
-        return tuple(_assemble(tiles, xs, shapes, "the tiles of a boundary"))
+        return tuple(_assemble(tiles, xs, shapes, "the tiles of a boundary", "gather"))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         tiles = ctx.tiles
         if not tiles.leader:
             gs = [formats.empty_as(grads[0], shape) for shape in ctx.tile_shapes]
-            tiles.exchange([], [(tiles.ranks[0], g) for g in gs], "the gradient of a tile from the leader")
+            tiles.exchange([], [(tiles.ranks[0], g) for g in gs], "the gradient of a tile from the leader",
+                           "gather-grad")
             return None, None, *gs
-        return None, None, *_hand_out(tiles, grads, "a member to take its tile's gradient")
+        return None, None, *_hand_out(tiles, grads, "a member to take its tile's gradient", "gather-grad")
 
 
 class _Scatter(torch.autograd.Function):
@@ -144,22 +173,24 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx, tiles: TileGroup, shapes: list[tuple[int, ...]], dtype: torch.dtype, *xs: torch.Tensor):
         ctx.tiles, ctx.shapes, ctx.inputs = tiles, shapes, len(xs)
         if tiles.leader:
-            return tuple(_hand_out(tiles, xs, "a member to take its tile of a boundary", dtype))
+            return tuple(_hand_out(tiles, xs, "a member to take its tile of a boundary", "scatter", dtype))
         mine = [formats.empty_as(xs[0], tile_shape(shape, tiles, tiles.index), dtype) for shape in shapes]
-        tiles.exchange([], [(tiles.ranks[0], t) for t in mine], "the tiles of a boundary from the leader")
+        tiles.exchange([], [(tiles.ranks[0], t) for t in mine], "the tiles of a boundary from the leader", "scatter")
         return tuple(mine)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         tiles = ctx.tiles
         if not tiles.leader:
-            tiles.exchange([(tiles.ranks[0], g) for g in grads], [], "the leader to take a tile's gradient")
+            tiles.exchange([(tiles.ranks[0], g) for g in grads], [], "the leader to take a tile's gradient",
+                           "scatter-grad")
             return None, None, None, *(torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)
                                        for _ in range(ctx.inputs))
-        return None, None, None, *_assemble(tiles, grads, ctx.shapes, "the gradients of a boundary's tiles")
+        return None, None, None, *_assemble(tiles, grads, ctx.shapes, "the gradients of a boundary's tiles",
+                                            "scatter-grad")
 
 
-def _assemble(tiles: TileGroup, mine, shapes, what: str) -> list[torch.Tensor]:
+def _assemble(tiles: TileGroup, mine, shapes, what: str, span: str) -> list[torch.Tensor]:
     """Leader: the whole tensors of ``shapes`` from its own tiles ``mine`` and every member's."""
     wholes = [formats.empty_as(t, shape) for t, shape in zip(mine, shapes)]
     recvs = []
@@ -170,17 +201,18 @@ def _assemble(tiles: TileGroup, mine, shapes, what: str) -> list[torch.Tensor]:
                 view.copy_(t)
             else:
                 recvs.append((peer, view, formats.empty_as(t, view.shape)))
-    tiles.exchange([], [(peer, b) for peer, _, b in recvs], what)
+    tiles.exchange([], [(peer, b) for peer, _, b in recvs], what, span)
     for _, view, b in recvs:
         view.copy_(b)
     return wholes
 
 
-def _hand_out(tiles: TileGroup, wholes, what: str, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def _hand_out(tiles: TileGroup, wholes, what: str, span: str,
+              dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Leader: every member's tile of each whole tensor sent to it (in ``dtype``); its own tiles, copied."""
     sends = [(peer, _view(w, tiles, index).to(dtype or w.dtype)) for w in wholes
              for index, peer in enumerate(tiles.ranks) if index]
-    tiles.exchange(sends, [], what)
+    tiles.exchange(sends, [], what, span)
     return [_view(w, tiles, 0).to(dtype or w.dtype, copy=True) for w in wholes]
 
 

@@ -132,10 +132,20 @@ def analyse(unit: fx.GraphModule, name: str, shapes: dict, tiled_in: Sequence[bo
             run, keeps_tiles = _handler(unit, n)
         except _Refused as why:
             raise GemsError(_refusal(name, _describe(unit, n), str(why))) from None
-        plan[n] = Node(run, shapes[inputs[0]][2:], shapes[n][2:], keeps_tiles)
+        plan[n] = Node(_labelled(run, n.target if n.op == "call_module" else f"{name}.{n.name}"),
+                       shapes[inputs[0]][2:], shapes[n][2:], keeps_tiles)
         if keeps_tiles:
             tiled.add(n)
     raise AssertionError("a graph without output")
+
+
+def _labelled(run: Callable, layer: str) -> Callable:
+    """``run`` naming its layer to the tile group first: the waits of its exchanges are labelled
+    with it on the timeline (``TileGroup.layer``)."""
+    def labelled(tiles, node: Node, args, kwargs, module=None):
+        tiles.layer = layer
+        return run(tiles, node, args, kwargs, module)
+    return labelled
 
 
 def _refusal(name: str, what: str, why: str) -> str:

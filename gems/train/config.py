@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gems.errors import GemsError
+from gems.plan import PLACEMENT_CHOICES
 
 
 # Beyond these, torch's tensor sizes (64-bit element counts) overflow while the model is built or
@@ -36,6 +37,13 @@ MODEL_ARG_HELP = ("a keyword argument for the model's builder, KEY=VALUE (repeat
 
 SPATIAL_HELP = ("split each image of stage 0's first units across P ranks (a number, or a RxC grid) at each position "
                 "holding stage 0; world = groups x (stages + (P-1) x those positions)")
+
+PLACEMENT_HELP = ("where each stage's model state lives: device; host-optimizer (the optimizer's state and its update "
+                  "in host memory, gradients copied out and parameters copied back each step); auto (per stage: on "
+                  "the host only where --memory-budget needs it)")
+
+HOST_BUDGET_HELP = ("host memory per rank for model state placed there and offloaded activations, e.g. 64GiB "
+                    "(default: unbounded)")
 
 # --split-backward: the words of gems.partition.backward.SPLIT_MODES (not imported here: it loads torch)
 SPLIT_CHOICES = ("auto", "on", "off")
@@ -179,6 +187,8 @@ class TrainConfig(Recipe):
                          "needs it) or all", choices=("none", "auto", "all"))
     offload: str = opt("none", "saved activations to host memory per stage: none, auto or all",
                        choices=("none", "auto", "all"))
+    state_placement: str = opt("device", PLACEMENT_HELP, choices=PLACEMENT_CHOICES)
+    host_memory_budget: str | None = opt(None, HOST_BUDGET_HELP)
     # data
     data: str = opt("synthetic", "'synthetic', a folder of class folders, a CSV of path,label, or (segmentation) "
                     "a folder with images/ and masks/")
@@ -263,9 +273,10 @@ class TrainConfig(Recipe):
         if min(self.checkpoint_every, self.keep_checkpoints, self.warmup_steps, self.workers) < 0:
             raise GemsError("--checkpoint-every, --keep-checkpoints, --warmup-steps and --workers "
                             "cannot be negative")
-        if self.plan and (self.balance or self.memory_budget or self.recompute != "none" or self.offload != "none"):
+        if self.plan and (self.balance or self.memory_budget or self.recompute != "none" or self.offload != "none"
+                          or self.state_placement != "device"):
             raise GemsError("--plan already fixes the cut points and policies: drop --balance / --memory-budget / "
-                            "--recompute / --offload")
+                            "--recompute / --offload / --state-placement")
         if not (0 < self.lr < math.inf and self.timeout > 0):  # also refuses nan
             raise GemsError("--lr and --timeout must be positive (and --lr finite)")
         if not (0 <= self.momentum < math.inf and 0 <= self.weight_decay < math.inf):

@@ -42,7 +42,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "batch": ("batch size", "give every rank the same --batch-size"),
     "input": ("input shape", "give every rank the same --image-size"),
     "cuts": ("plan's cut points", "give every rank the same --plan file and partitioning flags"),
-    "policies": ("plan's memory policies", "give every rank the same --plan file, --recompute and --offload"),
+    "policies": ("plan's memory policies", "give every rank the same --plan file, --recompute, --offload and "
+                 "--state-placement"),
     "boundaries": ("stage boundary shapes and dtypes", "give every rank the same --plan file and --image-size"),
     "precision": ("mixed precision", "give every rank the same --amp"),
     "recipe": ("speed recipe", "give every rank the same --channels-last, --compile and --cudnn-benchmark"),

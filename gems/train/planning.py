@@ -78,6 +78,7 @@ def make_plan(cfg: TrainConfig, model: nn.Sequential, groups: int, device: str =
                           device=device, amp=cfg.amp, comm=cfg.comm, leaf_modules=cfg.leaf_module,
                           split_points=cfg.split_points.split(",") if cfg.split_points else None,
                           split_backward=cfg.split_backward, shard_optimizer=cfg.shard_optimizer,
+                          state_placement=cfg.state_placement, host_memory_budget=cfg.host_memory_budget,
                           spatial=cfg.spatial, memory_format=cfg.memory_format(device), compile=cfg.compile)
 
 

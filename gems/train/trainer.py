@@ -21,6 +21,7 @@ from gems.errors import GemsError
 from gems.obs import memory
 from gems.obs.plan_picture import write_plan_png
 from gems.obs.trace import Recorder
+from gems.partition.placement import host_overflow
 from gems.schedule import generators as sch
 from gems.schedule.topology import Topology
 from gems.train import checkpoint, configfile, environment, workers
@@ -32,7 +33,7 @@ from gems.train.optim import learning_rate, make_optimizer
 from gems.train.planning import auto_tiles, check_task, make_plan, workspace_room
 from gems.train.progress import Progress
 from gems.train.validation import Validation
-from gems.units import format_size
+from gems.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from gems.pipeline.engine import Engine
@@ -113,7 +114,11 @@ def enforce_memory_budget(engine: Engine, budget: int) -> None:
     except (OSError, StopIteration):
         raise GemsError("--enforce-memory-budget on CPU needs Linux (/proc/self/status): "
                         "drop the flag on this system") from None
-    limit = data - memory.storage_bytes(memory.engine_tensors(engine)) + budget
+    # the host tier (--state-placement host-optimizer) is this memory too: the plan's bytes for it beside
+    # the budget, its copies already allocated counted there
+    planned = engine.plan.state_host_bytes
+    host = planned[engine.position] - engine.grads.host.nbytes if planned else 0
+    limit = data - memory.storage_bytes(memory.engine_tensors(engine)) + budget + host
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
@@ -183,11 +188,16 @@ def prepare(cfg: TrainConfig, comm) -> Job | None:
     topo = Topology.of(plan, comm.size)
     cfg.apply(comm.device.type, workspace_room(plan, *topo.place(comm.rank)[1:]))   # cuDNN, process-wide
     check_task(cfg.task, plan.stage_output_shapes[-1][0], cfg.model)
+    over = host_overflow(plan, parse_size(cfg.host_memory_budget)) if cfg.host_memory_budget else None
+    if over:
+        raise GemsError(f"the plan does not fit the host: {over}; try a larger host budget, --state-placement auto, "
+                        "--shard-optimizer or more stages")
     if plan.fits is False:
         worst = max(plan.positions, key=lambda p: p.peak_bytes)
         fixes = [f"--stages {plan.smallest_fitting_stages}"] if plan.smallest_fitting_stages else []
         useful = ("recompute", "offload") if comm.device.type == "cuda" else ("recompute",)  # host = CPU device
         fixes += [f"--{flag} auto" for flag in useful if getattr(cfg, flag) == "none"]
+        fixes += ["--state-placement auto"] if cfg.state_placement == "device" else []
         raise GemsError(f"the plan does not fit --memory-budget {format_size(plan.memory_budget)}: position "
                         f"{worst.position} needs {format_size(worst.peak_bytes)}"
                         + (f" plus {format_size(plan.overhead_bytes)} besides tensors" if plan.overhead_bytes else "")

@@ -72,6 +72,9 @@ def check_ring(comm: gems.comm.Comm) -> None:
         time.sleep(1e-4)
     same(first, payload(left, 10), "tag 10")
     same(second, payload(left, 11), "tag 11")
+    nbytes = sum(t.numel() * t.element_size() for t in buffers())
+    if any(comm.received[tag] != nbytes for tag in (0, 1, 2, 10, 11)):   # the byte counter, per tag
+        raise AssertionError(f"received {dict(comm.received)}, want {nbytes} bytes per tag")
 
 
 def check_allreduce(comm: gems.comm.Comm) -> None:

@@ -18,6 +18,9 @@ Modes:
                 of gems.pipeline.stage says.
   raise / kill  the last rank raises in (or is SIGKILLed during) its second forward: the
                 job must end, non-zero, on every rank.
+  --placements  after the mode's runs, the transparency model under mast (K = 2, D = ranks / 2), SGD
+                with momentum and AdamW, sharded or not: --state-placement host-optimizer equals
+                device bit for bit on every rank after the steps (one launch pays the start-up).
 Prints one "ok ..." line per configuration on rank 0; any mismatch raises (and aborts).
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ import gems  # noqa: E402
 from gems import comm as comm_lib  # noqa: E402
 from gems.schedule.generators import SCHEDULES  # noqa: E402
 
-from equivalence import POLICIES, SIDE, build, data, make_plan, optimizer, run  # noqa: E402
+from equivalence import OPTIMIZERS, POLICIES, SIDE, build, data, make_plan, optimizer, run, train  # noqa: E402
 
 
 def fail(comm, how: str) -> None:
@@ -61,9 +64,27 @@ def fail(comm, how: str) -> None:
     print(f"rank {comm.rank} finished although a rank failed", flush=True)
 
 
+def placements(comm, steps: int, K: int = 2) -> None:
+    """``--placements`` (module docstring): one "ok" line per configuration on rank 0."""
+    D = comm.size // K
+    for optim in OPTIMIZERS:
+        for shard in (False, True):
+            device, host = [train(comm, build("transparency"), make_plan("transparency", "mast", K, 1, D, shard=shard,
+                                                                         placement=placement), steps, optim=optim)
+                            for placement in ("device", "host-optimizer")]
+            differ = [k for k, v in device.stage_state.items() if not torch.equal(v, host.stage_state[k])]
+            if differ or device.losses != host.losses:
+                raise AssertionError(f"rank {comm.rank}: host-optimizer differs from device under mast {optim} "
+                                     f"shard={shard}: {differ[:3]}, losses {host.losses} and {device.losses}")
+            if comm.rank == 0:
+                print(f"ok placements mast K={K} D={D} {optim} shard={shard}: host-optimizer equals device bit for bit",
+                      flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["transparency", "batchnorm", "tuples", "raise", "kill"])
+    p.add_argument("--placements", action="store_true", help="then host-optimizer against device, bit for bit")
     p.add_argument("--stages", default="2")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--micro-batches", default="1,2")
@@ -90,6 +111,8 @@ def main() -> None:
                                    args.side, args.policy, memory_format)
                         if comm.rank == 0:
                             print(line, flush=True)
+        if args.placements:
+            placements(comm, args.steps)
 
 
 if __name__ == "__main__":

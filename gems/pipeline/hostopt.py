@@ -1,0 +1,173 @@
+"""Model state in host memory, ``StagePolicy.state_placement == "host-optimizer"``: the optimizer's
+state and its update on the host (KARMA's host-side update, ZeRO-Offload's CPU optimizer).
+
+For each part of such a stage (``GradSync``'s segments), the device keeps the parameters and the
+gradient segment that backward accumulates into; this tier keeps, in host memory allocated once
+before the first step (pinned where the device is CUDA; on CPU ranks a pool of its own, filled only
+by copy):
+
+    the segment's copy     the gradients, then the copy of the BatchNorm statistics, as on the device
+    the parameters' copy   laid out as their gradients; the optimizer's parameters are views of it,
+                           their ``.grad`` views of the segment's copy
+
+One step of such a part::
+
+    device   ... last backward |copy out|                                  |copy back| next forward
+    host                            '-- allreduce -- loss, norm -- update --'
+
+``copy_out`` after the stage's last backward (CUDA: on a copy stream after the compute stream's
+work, so the rest of the backward runs beside it; CPU: a plain copy), the sync group's allreduce
+(or reduce-scatter) runs on the host copy, clipping scales the host gradients, the optimizer --
+torch's CPU implementation, which the user's factory builds on the host parameters -- updates
+them in place once the step-wide loss (and norm) is known, and ``copy_back`` hands the new values
+to the device parameters before the stage's next forward. The arithmetic is the device's: on CPU
+ranks bitwise the same as ``device``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gems.errors import GemsError
+from gems.plan import formats
+from gems.units import format_size
+
+PLACEMENT = "host-optimizer"
+
+
+@dataclass
+class _Part:
+    device_params: torch.Tensor   # the part's parameters on the device, one flat buffer laid out as their gradients
+    host_params: torch.Tensor     # its host copy, which the optimizer updates
+    segment: torch.Tensor         # host copy of the device segment: gradients, then statistics
+    grads: int                    # elements of gradients in the segment
+    copied: object = None         # CUDA: the event after this step's copy out; CPU: True once copied
+
+
+class HostTier:
+    """The host copies of the parts placed on the host, keyed as ``GradSync``'s segments."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"   # pinned: copies overlap and MPI reads host memory directly
+        self._stream: torch.cuda.Stream | None = None   # CUDA: the copies out, made with the first part
+        self._parts: dict[tuple[int, int], _Part] = {}
+        self._host: dict[int, nn.Parameter] = {}   # id(device parameter) -> its host parameter
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []   # (host parameter, its gradient's place)
+        self._ids: set[int] = set()   # of the host parameters
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._parts
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a copy out completes later (CUDA), so the collective on it is posted at the sync."""
+        return self.pin
+
+    def add(self, key: tuple[int, int], segment: torch.Tensor, flat: torch.Tensor, params: list[nn.Parameter],
+            offsets: list[int]) -> torch.Tensor:
+        """Hold part ``key`` on the host: its device ``segment``, ``flat`` (its parameters' device buffer)
+        and ``params`` at ``offsets`` in both. Returns the host copy of ``flat``."""
+        if self.pin and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        host_params = self._allocate(flat)
+        host_params.copy_(flat)
+        host_segment = self._allocate(segment)
+        for p, offset in zip(params, offsets):
+            host = nn.Parameter(formats.like(host_params[offset:offset + p.numel()], p), p.requires_grad)
+            host.grad = formats.like(host_segment[offset:offset + p.numel()], p)
+            self._host[id(p)] = host
+            self._views.append((host, host.grad))
+            self._ids.add(id(host))
+        self._parts[key] = _Part(flat, host_params, host_segment, flat.numel())
+        return host_params
+
+    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+        try:
+            return torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.pin)
+        except RuntimeError as error:
+            raise GemsError(f"cannot have {format_size(like.numel() * like.element_size())} of pinned host memory "
+                            f"for the model state that --state-placement {PLACEMENT} keeps there "
+                            f"({' '.join(str(error).split()[:12])}): free host memory, or place that state on the "
+                            "device") from None
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the copies (the optimizer's state aside)."""
+        return sum(t.numel() * t.element_size() for part in self._parts.values()
+                   for t in (part.host_params, part.segment))
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the host copies (its optimizer state then lives in host memory too)."""
+        return id(p) in self._ids
+
+    def parameter(self, p: nn.Parameter) -> nn.Parameter:
+        """The parameter the optimizer updates for device parameter ``p``: its host copy, or ``p``."""
+        return self._host.get(id(p), p)
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The gradient the step reads for ``p`` (after the sync: the sums)."""
+        return self.parameter(p).grad
+
+    def attach(self) -> None:
+        """Point every host parameter's ``.grad`` back at its place in the host segment (a caller may
+        have set it to None); GemsError for one replaced by another tensor."""
+        for host, view in self._views:
+            if host.grad is None:
+                host.grad = view
+            elif host.grad is not view:
+                raise GemsError("a host parameter's .grad was replaced by another tensor: gems keeps the "
+                                "gradients of --state-placement host-optimizer in its host copy, so zero them with "
+                                "engine.optimizer.zero_grad() and never assign .grad")
+
+    def copy_out(self, key: tuple[int, int], segment: torch.Tensor) -> None:
+        """Start copying the device ``segment`` of part ``key`` to the host (its backward is done)."""
+        part = self._parts[key]
+        if self._stream is None:
+            part.segment.copy_(segment)
+            part.copied = True
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            part.segment.copy_(segment, non_blocking=True)
+            part.copied = torch.cuda.Event()
+            part.copied.record(self._stream)
+
+    def copied(self, key: tuple[int, int]) -> bool:
+        """Whether part ``key``'s copy out was started this step."""
+        return self._parts[key].copied is not None
+
+    def ready(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Part ``key``'s host segment once its copy out is complete: (segment, gradients, statistics)."""
+        part = self._parts[key]
+        if isinstance(part.copied, torch.cuda.Event):
+            part.copied.synchronize()
+        part.copied = None   # the next step copies anew
+        return part.segment, part.segment[:part.grads], part.segment[part.grads:]
+
+    def scale(self, factor: float) -> None:
+        """Multiply every host gradient by ``factor`` (clipping)."""
+        for part in self._parts.values():
+            part.segment[:part.grads].mul_(factor)
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """The updated parameters to the device (before any stage's next forward: the compute stream
+        runs the copies first)."""
+        for part in self._parts.values():
+            part.device_params.copy_(part.host_params, non_blocking=self.pin)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The device parameters to the host copies (after loading state into the model)."""
+        for part in self._parts.values():
+            part.host_params.copy_(part.device_params)
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        """GemsError for an optimizer without an implementation on the host (one not from torch.optim)."""
+        if self._parts and not type(optimizer).__module__.startswith("torch.optim"):
+            raise GemsError(f"the optimizer {type(optimizer).__name__} has no host implementation that "
+                            f"--state-placement {PLACEMENT} can run: use one of torch.optim's optimizers, or "
+                            "--state-placement device")

@@ -1,0 +1,136 @@
+"""``--state-placement host-optimizer``: the optimizer's state and update on the host, gradients copied
+out after each stage's last backward and summed there, new parameters copied back
+(``gems.pipeline.hostopt``). On CPU ranks the arithmetic is the device's, bit for bit, under every
+schedule, sharded or not (on two MPI processes too: tests/test_engine.py); an optimizer without a host
+implementation is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gems
+from gems.comm import loopback
+from gems.errors import GemsError
+from gems.pipeline import hostopt
+
+from equivalence import adamw, build, data, make_plan, optimizer, run_loopback
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
+RTOL = {"sgd": 1e-5, "adamw": 1e-4}   # against one process
+
+
+def _same(a, b) -> None:
+    """Bit for bit: every rank's losses, the full state and this rank's copies."""
+    assert [r.losses for r in a] == [r.losses for r in b]
+    for ra, rb in zip(a, b):
+        for key in ra.state:
+            assert torch.equal(ra.state[key], rb.state[key]), key
+        for key in ra.stage_state:
+            assert torch.equal(ra.stage_state[key], rb.stage_state[key]), key
+
+
+# pairwise: every schedule with both optimizers and sharded and not, every optimizer sharded and not
+LAYOUTS = [("mp", 1), ("gpipe", 4), ("1f1b", 4), ("mast", 1)]
+
+
+@pytest.mark.parametrize("schedule,m,optim,shard", [(schedule, m, optim, (i + (optim == "adamw")) % 2 == 1)
+                                                   for i, (schedule, m) in enumerate(LAYOUTS)
+                                                   for optim in ("sgd", "adamw")])
+def test_host_optimizer_equals_device_bit_for_bit(schedule, m, optim, shard, monkeypatch):
+    """K = 2, D = 2, three steps: SGD with momentum and AdamW, sharded or not (both near one process; Adam's
+    division by the gradients' own scale makes the summation order's rounding count for more)."""
+    held = _count_host_parts(monkeypatch)
+    runs = [run_loopback("transparency", schedule, 2, m, 2, steps=3, optim=optim, shard=shard, placement=placement,
+                         rtol=RTOL[optim]) for placement in ("device", "host-optimizer")]
+    _same(*runs)
+    assert len(held) == 2 * 2 * (1 + (schedule == "mast"))   # every rank's every stage, on the host run only
+
+
+def _count_host_parts(monkeypatch) -> list:
+    """The parts the host tier takes from now on (one entry each)."""
+    held, add = [], hostopt.HostTier.add
+    def counted(self, key, *args):
+        held.append(key)
+        return add(self, key, *args)
+    monkeypatch.setattr(hostopt.HostTier, "add", counted)
+    return held
+
+
+def test_clipping_and_batchnorm_statistics_on_the_host():
+    for kind, clip in (("transparency", 0.05), ("batchnorm", None)):
+        runs = [run_loopback(kind, "mast", 2, 1, 2, steps=2, clip=clip, optim="adamw", placement=placement,
+                             rtol=RTOL["adamw"])
+                for placement in ("device", "host-optimizer")]
+        _same(*runs)
+
+
+def _engine(comm, plan, factory=optimizer, model=None):
+    """An engine of the transparency model (``model``: its copy built in the main thread, which a rank thread
+    must not seed)."""
+    model = build("transparency") if model is None else model
+    return gems.Engine(model, plan, optimizer=factory, loss_fn=nn.CrossEntropyLoss(), comm=comm)
+
+
+def test_the_optimizer_holds_host_copies_and_the_trainer_s_writes_reach_them():
+    """The optimizer's parameters are host copies, not the stages'; learning-rate writes and
+    zero_grad act on them; a step that is not finite changes nothing."""
+    plan = make_plan("transparency", "mp", 1, 1, 1, placement="host-optimizer")
+    def rank(comm):
+        engine = _engine(comm, copy.deepcopy(plan))
+        held = {id(p) for s in engine.stages.values() for p in s.parameters()}
+        params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+        assert params and not held & {id(p) for p in params}
+        images, labels = data(plan.batch_size, 0)
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        engine.step(torch.full_like(images, float("nan")), labels)
+        assert not engine.last_step_applied
+        assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
+        engine.optimizer.zero_grad()
+        for g in engine.optimizer.param_groups:
+            g["lr"] = 0.0
+        engine.step(images, labels)
+        assert engine.last_step_applied
+        assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())   # lr 0: no change
+        return True
+    assert loopback.run(1, rank, timeout=20) == [True]
+
+
+def test_an_optimizer_without_a_host_implementation_is_refused():
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    plan = make_plan("transparency", "mp", 1, 1, 1, placement="host-optimizer")
+    def rank(comm):
+        with pytest.raises(GemsError, match="the optimizer Custom has no host implementation"):
+            _engine(comm, copy.deepcopy(plan), Custom)
+        return True
+    assert loopback.run(1, rank, timeout=20) == [True]
+
+
+def _checkpoint(placement: str, steps, load=None) -> tuple[dict, dict]:
+    """Two loopback ranks, mast K = 2, AdamW: (optimizer state by parameter name, model state) after
+    ``steps`` (from ``load``, such a pair)."""
+    plan, model = make_plan("transparency", "mast", 2, 1, 1, placement=placement), build("transparency")
+    def rank(comm):
+        engine = _engine(comm, copy.deepcopy(plan), adamw, copy.deepcopy(model))
+        if load is not None:
+            engine.load_state(load[1], copy.deepcopy(load[0]))
+        for step in steps:
+            engine.step(*data(plan.batch_size, step))
+        return engine.stage_state(engine.position)["optimizer"], engine.state_dict()
+    results = loopback.run(2, rank, timeout=30)
+    return {n: st for opt, _ in results for n, st in opt.items()}, results[0][1]
+
+
+def test_checkpoints_are_the_same_on_either_placement_and_each_resumes_the_other():
+    device, host = _checkpoint("device", range(2)), _checkpoint("host-optimizer", range(2))
+    assert device[0].keys() == host[0].keys() and device[0]
+    for name, state in device[0].items():
+        assert all(torch.equal(v, host[0][name][k]) for k, v in state.items() if torch.is_tensor(v)), name
+    after = [_checkpoint(placement, [2], saved)[1] for placement, saved in (("host-optimizer", device),
+                                                                            ("device", host))]
+    assert all(torch.equal(v, after[1][k]) for k, v in after[0].items())
