@@ -9,8 +9,8 @@ module's runs share one compile cache; the layouts are few, each covering severa
 D, a policy, a BatchNorm mode), since each compiles. What gems does with a compiled run -- warm-ups,
 guards, variants, recompiles, fallbacks -- is dynamo's and AOTAutograd's side, whatever generates the
 code: most tests compile with ``aot_eager`` (the same graphs, run by the eager kernels: seconds, not
-the minute of inductor's C++ code generation), and inductor runs where its code matters (the mast layout
-with recompute and offload, bf16 autocast).
+the minute of inductor's C++ code generation), and inductor runs where its code matters most (bf16
+autocast with recompute). gems-bench's recipe runs (benchmarks/README.md) compile with inductor.
 """
 from __future__ import annotations
 
@@ -83,8 +83,7 @@ def train(kind: str, schedule: str, K: int, m: int, D: int, policy: str, batch_n
 
 
 # (kind, schedule, K, m, D, policy, batch_norm): mp, gpipe m=4, 1f1b m=4, mast K=2 with D=2; every
-# policy; deferred BatchNorm under recompute (its flag), micro-batch BatchNorm under offload; the last
-# compiled by inductor
+# policy; deferred BatchNorm under recompute (its flag), micro-batch BatchNorm under offload
 LAYOUTS = [("transparency", "mp", 2, 1, 1, "segment", "micro-batch"),
            ("batchnorm", "gpipe", 2, 4, 1, "recompute", "deferred"),
            ("batchnorm", "1f1b", 2, 4, 1, "offload", "micro-batch"),
@@ -94,8 +93,6 @@ LAYOUTS = [("transparency", "mp", 2, 1, 1, "segment", "micro-batch"),
 @pytest.mark.parametrize("kind,schedule,K,m,D,policy,batch_norm", [pytest.param(*c, id="-".join(map(str, c[1:6])))
                                                                    for c in LAYOUTS])
 def test_compiled_stages_train_like_eager(kind, schedule, K, m, D, policy, batch_norm, monkeypatch):
-    if schedule == "mast":
-        inductor(monkeypatch)
     monkeypatch.setattr(gems.pipeline.offload, "MIN_OFFLOAD_BYTES", 1)   # these activations are tiny
     evaluate = schedule == "mp"   # forward-only steps: their own variant, warmed when first made
     results = train(kind, schedule, K, m, D, policy, batch_norm, compile=True, evaluate=evaluate)

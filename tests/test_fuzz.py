@@ -167,7 +167,7 @@ def plan_grammar(assets: dict[str, str]) -> Grammar:
 
 
 @given(data=st.data())
-@fuzz(60)
+@fuzz(40)
 def test_gems_plan_command_lines(assets, data):
     from gems.cli.plan import main  # noqa: PLC0415
 

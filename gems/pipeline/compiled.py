@@ -342,7 +342,8 @@ class CompiledUnits:
         slowest = max(every, key=lambda r: r[3])
         names = self.plan.unit_names
         which = f"the slowest of {len(every)} ranks: " if len(every) > 1 else ""
-        lines = [f"compiled {len(units)} units ({sum(r[8] for r in every)} runs of consecutive units as one graph "
+        runs = sum(r[8] for r in every)
+        lines = [f"compiled {len(units)} units ({runs} run{'s' * (runs != 1)} of consecutive units, one graph "
                  f"each) in {slowest[3]:.1f} s ({which}tracing {slowest[4]:.1f} s, code generation "
                  f"{slowest[5]:.1f} s), {sum(r[6] for r in every)} graphs, {sum(r[7] for r in every)} recompiles"]
         tiled = sorted({u for r in every for u in r[2]})
