@@ -10,7 +10,8 @@ D, a policy, a BatchNorm mode), since each compiles. What gems does with a compi
 guards, variants, recompiles, fallbacks -- is dynamo's and AOTAutograd's side, whatever generates the
 code: most tests compile with ``aot_eager`` (the same graphs, run by the eager kernels: seconds, not
 the minute of inductor's C++ code generation), and inductor runs where its code matters most (bf16
-autocast with recompute). gems-bench's recipe runs (benchmarks/README.md) compile with inductor.
+autocast with recompute; ``GEMS_TEST_COMPILE_BACKEND=inductor`` for all). gems-bench's recipe runs
+(benchmarks/README.md) compile with inductor.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "T
 
 @pytest.fixture(autouse=True)
 def graphs_run_eagerly(monkeypatch):
-    """dynamo and AOTAutograd as in a real run, the graphs run by eager kernels (module docstring)."""
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    """dynamo and AOTAutograd as in a real run, the graphs run by eager kernels (module docstring);
+    ``GEMS_TEST_COMPILE_BACKEND=inductor`` runs every test with inductor."""
+    monkeypatch.setattr(compiled, "BACKEND", os.environ.get("GEMS_TEST_COMPILE_BACKEND", "aot_eager"))
 
 
 def inductor(monkeypatch) -> None:
