@@ -223,21 +223,14 @@ class GradSync:
             self.zero_grads()
             for p, view in self._views:
                 p.grad = view
-            self.host.attach()
+            _reattach(self.host.views)
 
         optimizer.zero_grad = zero_grad
 
     def _attach(self) -> None:
-        """Point every ``.grad`` that is None back at its view of the bucket (exact between steps:
-        the bucket is zero then); GemsError for one replaced by another tensor."""
-        for p, view in self._views:
-            if p.grad is None:
-                p.grad = view
-            elif p.grad is not view:
-                raise GemsError("a parameter's .grad was replaced by another tensor: gems keeps gradients "
-                                "in its sync bucket, so zero them with engine.optimizer.zero_grad() and "
-                                "never assign .grad")
-        self.host.attach()
+        """Point every ``.grad`` that is None back at its view of the bucket, or of the host copy of a
+        stage on the host (exact between steps: both are zero then); GemsError for one replaced."""
+        _reattach([*self._views, *self.host.views])
 
     def begin_step(self) -> None:
         """Check that the gradients live in the bucket (re-attaching any set to None) and remember
@@ -381,3 +374,15 @@ def _share(params: list[nn.Parameter], n: int) -> tuple[list[nn.Parameter], list
     ordered = [p for k in range(n) for p, o in zip(params, owner) if o == k]
     counts = [owner.count(k) for k in range(n)]
     return ordered, [sum(counts[:k]) for k in range(n + 1)]
+
+
+def _reattach(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (parameter, its gradient's place): ``.grad`` set to the place where it is None; GemsError
+    where it was replaced by another tensor."""
+    for p, view in views:
+        if p.grad is None:
+            p.grad = view
+        elif p.grad is not view:
+            raise GemsError("a parameter's .grad was replaced by another tensor: gems keeps gradients in its sync "
+                            "bucket (or, for --state-placement host-optimizer, in its host copy), so zero them "
+                            "with engine.optimizer.zero_grad() and never assign .grad")

@@ -111,16 +111,10 @@ class HostTier:
         """The gradient the step reads for ``p`` (after the sync: the sums)."""
         return self.parameter(p).grad
 
-    def attach(self) -> None:
-        """Point every host parameter's ``.grad`` back at its place in the host segment (a caller may
-        have set it to None); GemsError for one replaced by another tensor."""
-        for host, view in self._views:
-            if host.grad is None:
-                host.grad = view
-            elif host.grad is not view:
-                raise GemsError("a host parameter's .grad was replaced by another tensor: gems keeps the "
-                                "gradients of --state-placement host-optimizer in its host copy, so zero them with "
-                                "engine.optimizer.zero_grad() and never assign .grad")
+    @property
+    def views(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(host parameter, its gradient's place in the host segment) of every part."""
+        return self._views
 
     def copy_out(self, key: tuple[int, int], segment: torch.Tensor) -> None:
         """Start copying the device ``segment`` of part ``key`` to the host (its backward is done)."""
