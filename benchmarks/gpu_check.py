@@ -44,7 +44,8 @@ BIN = Path(sys.executable).parent
 LAYOUT = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", "--batch-size", "2",
           "--stages", "2"]
 # The parts by name, in the order they run (--parts picks some).
-PARTS = ("tests", "recipe-default", "recipe-full", "train-mast", "bench-mast", "spatial", "policies", "unet", "nccl")
+PARTS = ("tests", "recipe-default", "recipe-full", "train-mast", "bench-mast", "spatial", "policies", "placements",
+         "unet", "nccl")
 # The speed recipes of part 4: gems-bench's flags for each.
 RECIPES = {"recipe-default": ["--no-channels-last", "--amp", "none"],
            "recipe-full": ["--channels-last", "--amp", "bf16", "--cudnn-benchmark", "--compile"]}
@@ -195,6 +196,16 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done, wanted=
                         "--micro-batches", "2", *flags, "--steps", "3", *shared], timeout=timeout)
         add({"part": f"gems-train resnet50 1024² mast K=2 m=2, {name}, two ranks on one GPU (MPI)", **policies,
              **train_summary(policies["stdout"])})
+    # where the model state lives (AdamW: its state is twice the parameters), each against its estimate
+    for name, flags in (("device", []), ("host-optimizer", ["--state-placement", "host-optimizer"]),
+                        ("host-optimizer, sharded", ["--state-placement", "host-optimizer", "--shard-optimizer"])):
+        if "placements" not in wanted:
+            break
+        placed = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
+                      "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
+                      "--micro-batches", "2", "--optimizer", "adamw", *flags, "--steps", "4", *shared], timeout=timeout)
+        add({"part": f"gems-train resnet50 1024² mast K=2 m=2 AdamW, model state: {name}, two ranks on one GPU (MPI)",
+             **placed, **train_summary(placed["stdout"])})
     if "unet" in wanted:
         unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
                     "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial",

@@ -247,6 +247,8 @@ def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torc
                     autocast=cfg.autocast(), compile=cfg.compile)
     recorder = trace.Recorder(engine, keep=None)
     mine = images.chunk(groups)[engine.group].clone() if groups > 1 else images   # the group's shard
+    if engine.device.type == "cuda":   # where the reference holds its batch: both time the step, not the copy
+        mine, labels = mine.to(engine.device), labels.to(engine.device)
     comm.barrier()
     times = []
     for step in range(cfg.warmup + cfg.steps):
