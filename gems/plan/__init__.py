@@ -48,11 +48,15 @@ class StagePolicy:
     ``offload``: tensors the stage saves for backward (after recomputation, only what is
     still saved) go to host memory and come back before the backward.
     ``state_placement``: where the stage's model state lives, one of ``STATE_PLACEMENTS``.
+    ``weight_groups``: under ``state_placement == "host"``, the unit groups whose weights are
+    resident on the device together, each ``[first_unit, end_unit)``, covering the stage's units
+    in order (empty: the whole stage is one group); empty under any other placement.
     """
 
     recompute: list[list[int]] = field(default_factory=list)
     offload: bool = False
     state_placement: str = "device"
+    weight_groups: list[list[int]] = field(default_factory=list)
 
     def checkpointed(self, waiting: bool, end_unit: int) -> list[list[int]]:
         """The recompute segments one forward of the stage ending before unit ``end_unit`` runs
