@@ -111,3 +111,25 @@ def test_train_summary_sets_measured_peak_beside_the_estimate():
     _, _, measured, _, _, _, error, _ = found[0]
     assert float(measured) > 0
     assert abs(float(error)) < 25, result.stdout   # the plan's estimate is close to what was measured
+
+
+HOST_TIER = re.compile(r"rank (\d) \(position (\d)\): ([\d.]+) (KiB|MiB|GiB) measured, ([\d.]+) (KiB|MiB|GiB) "
+                       r"estimated \(([+-][\d.]+)%\)$", re.MULTILINE)
+
+
+def test_train_summary_sets_the_host_tier_apart_from_the_device_tier():
+    """--state-placement host-optimizer: the summary's device-tier peak leaves the host tier out,
+    and the host tier (copies and AdamW's state) equals the plan's state_host_bytes."""
+    train = Path(sys.executable).parent / "gems-train"
+    result = subprocess.run([sys.executable, str(train), "--model", "tests/assets/tiny_model.py:tiny",
+                             "--image-size", "32", "--batch-size", "2", "--stages", "1", "--schedule", "mp",
+                             "--optimizer", "adamw", "--state-placement", "host-optimizer",
+                             "--steps", "2", "--workers", "0", "--no-progress"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    device, host = result.stdout.split("host memory of model state per rank")
+    assert "peak device-tier memory per rank" in device and len(SUMMARY.findall(device)) == 1, result.stdout
+    found = HOST_TIER.findall(host)
+    assert len(found) == 1, result.stdout
+    assert float(found[0][2]) > 0 and abs(float(found[0][6])) < 1, result.stdout

@@ -77,6 +77,17 @@ def engine_tensors(engine) -> list[torch.Tensor]:
         if torch.is_tensor(v)]
 
 
+def host_tier_bytes(engine) -> int:
+    """Host memory a ``gems.Engine`` holds for model state it keeps off the device
+    (``--state-placement host-optimizer``): the host tier's copies of parameters and gradient
+    segments, and the optimizer's state of the parameters it updates there. Static between steps,
+    so its storages are counted as they are; the update's temporaries are not (on CPU ranks the
+    allocator's high-water mark, the device tier's measure, sees them)."""
+    host = engine.grads.host
+    return host.nbytes + storage_bytes(v for p, state in engine.optimizer.state.items() if host.holds(p)
+                                       for v in state.values() if torch.is_tensor(v))
+
+
 def _memory_config() -> ProfilerConfig:
     """The CPU profiler with memory events only (no shapes, stacks or FLOPs)."""
     return ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())

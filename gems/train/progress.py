@@ -8,7 +8,10 @@ The summary sets each rank's measured tensor peak beside the plan's estimate for
 position: a ``gems.obs.memory.PeakMeter`` opens at the end of the step before the last one
 (before the first step when only one is run) and closes at the last step's report, taking
 the peak over that step alone (what it holds from its start, the batch included); the
-memory of the data loading and checkpointing before it does not count.
+memory of the data loading and checkpointing before it does not count. Where model state
+lives in host memory (``--state-placement``), that is the device tier (what a GPU would hold);
+the host tier's bytes (``memory.host_tier_bytes``) are set beside the plan's
+``state_host_bytes`` apart.
 """
 from __future__ import annotations
 
@@ -32,11 +35,12 @@ class Progress:
         self.losses: list[float] = []
         self.peaks = [0] * comm.size       # process peak per rank (JSON lines)
         self.measured = [0] * comm.size    # tensor peak of the last step per rank (summary)
+        self.host_tier = [0] * comm.size   # host memory of model state per rank after the last step (summary)
         self.val_measured: list[int] = []  # ... and of the last validation (forward-only), if any
         self.val_batch = 0
         self.skipped = 0
         self.total = total
-        self._vec = torch.zeros(2 + 2 * comm.size, dtype=torch.float64)
+        self._vec = torch.zeros(2 + 3 * comm.size, dtype=torch.float64)
         self.meter = memory.PeakMeter(engine.device)
         if start + 1 == total:
             self.meter.start(memory.engine_tensors(engine))
@@ -55,12 +59,14 @@ class Progress:
         W = self.comm.size
         if step == self.total:
             v[2 + W + self.comm.rank] = self.meter.stop(since=time.time() - seconds)
+            v[2 + 2 * W + self.comm.rank] = memory.host_tier_bytes(self.engine)
         v[2 + self.comm.rank] = memory.process_peak_bytes(self.engine.device)
         self.comm.allreduce(v, None, "the metrics allreduce")
         self.skipped = int(v[1])
         self.peaks = [int(x) for x in v[2:2 + W]]
         if step == self.total:
-            self.measured = [int(x) for x in v[2 + W:]]
+            self.measured = [int(x) for x in v[2 + W:2 + 2 * W]]
+            self.host_tier = [int(x) for x in v[2 + 2 * W:]]
         self.times.append(seconds)
         self.losses.append(loss)
         images_per_s = self.cfg.batch_size / seconds
@@ -123,13 +129,21 @@ class Progress:
             f"  skipped images   {self.skipped}",
             *([f"  recompiles       {self.engine.compiled.recompiles} after the warm-up (rank 0's compiled units)"]
               if getattr(self.engine, "compiled", None) is not None else []),
-            f"  peak memory per rank over the last step ({memory.kind(self.engine.device)}) vs plan estimate:",
+            f"  peak {'device-tier ' if self.plan.state_host_bytes else ''}memory per rank over the last step "
+            f"({memory.kind(self.engine.device)}) vs plan estimate:",
         ]
         for rank, (measured, process) in enumerate(zip(self.measured, self.peaks)):
             estimate = memory.rank_estimate(self.plan.positions[self._position(rank)], self._tile(rank))
             lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(measured)} measured, "
                          f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
                          f"process peak {format_size(process)}")
+        if self.plan.state_host_bytes:
+            lines.append("  host memory of model state per rank (--state-placement; tensors: the host tier's copies "
+                         "and optimizer state) vs plan estimate:")
+            for rank, held in enumerate(self.host_tier):
+                estimate = self.plan.state_host_bytes[self._position(rank)]
+                lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(held)} measured, "
+                             f"{format_size(estimate)} estimated ({memory.estimate_error(held, estimate)})")
         if self.val_measured:
             lines.append(f"  peak memory per rank over the last validation (forward-only, batches of {self.val_batch}) "
                          "vs plan estimate:")
