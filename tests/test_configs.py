@@ -91,3 +91,23 @@ def test_manifests_hold_the_configuration_and_resume_names_what_changed(tmp_path
     assert model["code"] == 2, model["stdout"] + model["stderr"]
     assert 'changed: model "tests/assets/tiny_model.py:tiny" -> "resnet18"' in model["stderr"], model["stderr"]
     assert model["stderr"].count("error") == 1
+
+
+def test_a_plan_file_gives_its_layout_beneath_the_config_file_and_the_flags(tmp_path, capsys):
+    """``gems-train --plan FILE`` takes stages, schedule, micro-batches, batch, image size and
+    spatial part from the plan; a config file's values and flags stand above it (a disagreement
+    is then make_plan's one-sentence error, tested with the sweep)."""
+    from gems import models, partition   # noqa: PLC0415
+
+    path = tmp_path / "plan.json"
+    partition.plan(models.build("resnet18", num_classes=4), (3, 48, 48), batch_size=4, stages=2, schedule="gpipe",
+                   micro_batches=2).to_json(path)
+    alone = printed(gems_train.main, ["--model", "resnet18", "--plan", path], capsys)
+    assert all(line in alone for line in ("stages = 2\n", 'schedule = "gpipe"\n', "micro_batches = 2\n",
+                                          "batch_size = 4\n", "image_size = 48\n")), alone
+    config = tmp_path / "run.toml"
+    config.write_text(f'plan = "{path}"\nbatch_size = 8\n')
+    layered = printed(gems_train.main, ["--config", config, "--micro-batches", "4"], capsys)
+    assert all(line in layered for line in ("stages = 2\n", "batch_size = 8\n", "micro_batches = 4\n")), layered
+    assert exit_status(gems_train.main, ["--plan", tmp_path / "missing.json", "--print-config"]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err

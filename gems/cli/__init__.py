@@ -35,7 +35,9 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 class _ConfigParser(_Parser):
     """A dataclass parser that also reads ``--config FILE`` (TOML, ``gems.train.configfile``): the
-    file's values become the defaults, so flags on the command line override them; and answers
+    file's values become the defaults, so flags on the command line override them; where the
+    dataclass has ``plan_defaults`` and a ``--plan FILE`` is given (on the command line or in the
+    file), the plan's layout is the default beneath the file's values; and answers
     ``--print-config`` with the resolved configuration as TOML (exit 0). Neither reaches the
     namespace: it holds the dataclass's fields alone."""
 
@@ -45,12 +47,16 @@ class _ConfigParser(_Parser):
         args = list(sys.argv[1:] if args is None else args)
         early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         early.add_argument("--config")
+        early.add_argument("--plan")
         found, _ = early.parse_known_args(args)
-        if found.config is not None:
-            try:
-                self.set_defaults(**configfile.read(found.config, self.config))
-            except GemsError as error:
-                self.exit(USER_ERROR, f"{self.prog}: error: {one_line(error)}\n")
+        try:
+            values = configfile.read(found.config, self.config) if found.config is not None else {}
+            plan = found.plan or values.get("plan")
+            if plan and hasattr(self.config, "plan_defaults"):   # the plan's layout under the file's values
+                self.set_defaults(**self.config.plan_defaults(plan))
+            self.set_defaults(**values)
+        except GemsError as error:
+            self.exit(USER_ERROR, f"{self.prog}: error: {one_line(error)}\n")
         namespace, extra = super().parse_known_args(args, namespace)
         del namespace.config
         if namespace.__dict__.pop("print_config"):

@@ -172,7 +172,8 @@ class TrainConfig(Recipe):
                                                     "split the batch and the plan fits --memory-budget")
     plan: str | None = opt(None, "use a plan saved by gems-plan --json instead of partitioning at start: its cuts, "
                                  "memory policies, split backward and spatial part stand, whatever the planning "
-                                 "flags say")
+                                 "flags say; its stages, schedule, micro-batches, batch, image size and --spatial "
+                                 "are the defaults of those flags")
     balance_by: str = opt("memory", "what the partitioner balances", choices=("memory", "time", "flops"))
     balance: str | None = opt(None, "manual units per stage, e.g. 3,5,4")
     split_points: str | None = opt(None, "module paths where stages 2, 3, ... begin, comma-separated, e.g. "
@@ -239,6 +240,19 @@ class TrainConfig(Recipe):
                                "budget, and one simulated step (needs matplotlib: the 'plot' extra)")
     dry_run: bool = opt(False, "print the plan and the batch split, then exit")
     progress: bool = opt(True, "show a progress bar on rank 0")
+
+    @staticmethod
+    def plan_defaults(path: str) -> dict:
+        """The layout of the plan at ``path`` (``gems-plan --json``) as option values, the defaults
+        ``--plan FILE`` gives, so that ``gems-train --plan FILE`` needs no flag the plan settles;
+        a flag given anyway must agree with the plan (``gems.train.planning.make_plan`` says so)."""
+        from gems.plan import Plan  # noqa: PLC0415 - read only when --plan is given
+
+        plan = Plan.from_json(path)
+        values = {"stages": plan.stages, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+                  "batch_size": plan.batch_size, "spatial": "x".join(map(str, plan.spatial_grid)) or None}
+        height, width = plan.input_shape[-2:]
+        return values | ({"image_size": height} if height == width else {})
 
     def tiles(self) -> int:
         """P, the ranks of a tile group (1 without --spatial); GemsError unless P or RxC."""
