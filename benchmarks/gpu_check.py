@@ -198,7 +198,8 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done, wanted=
              **train_summary(policies["stdout"])})
     # where the model state lives (AdamW: its state is twice the parameters), each against its estimate
     for name, flags in (("device", []), ("host-optimizer", ["--state-placement", "host-optimizer"]),
-                        ("host-optimizer, sharded", ["--state-placement", "host-optimizer", "--shard-optimizer"])):
+                        ("host-optimizer, sharded", ["--state-placement", "host-optimizer", "--shard-optimizer"]),
+                        ("host (weights per group)", ["--state-placement", "host"])):
         if "placements" not in wanted:
             break
         placed = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",

@@ -12,17 +12,20 @@ Modules, in the order of the flow (each imports only from its own step or earlie
 * price: ``options`` (the user-facing policy options: modes, kinds, host bandwidth),
   ``policy`` (what recompute / offload keep and cost for one stage; ``segments``: its exact
   recompute segmentation), ``costs`` (memory / time / FLOPs of a stage on a position under a
-  schedule, as matrices over segments);
+  schedule, as matrices over segments), ``placement`` (model state in host memory: the optimizer,
+  ``host-optimizer``) and ``swapping`` (the parameters too, per weight group: ``host``);
 * solve: ``solver`` (exact min-max cuts: ``loads``, the costs and each position's load;
   ``plain`` and ``mirrored``, the DPs of either placement), ``budget`` (the cheapest
   policies within a memory budget, the smallest stage count that fits);
-* assemble: ``planner`` (``plan()``: validation and building the Plan), ``backward`` (with
+* assemble: ``planner`` (``plan()``: validation and choosing), ``job`` (one candidate's shared
+  inputs, and its estimates assembled into a Plan), ``backward`` (with
   ``split_backward`` None: the plan with the backward split or without, whichever is faster and fits).
 
 Besides: ``sweep`` (every layout on a number of ranks planned and ranked, tile groups included:
 ``gems-plan --sweep``), ``measure`` (optional real timings per unit), ``accuracy`` (the profile against
-real CPU runs), ``calibrate`` (this device's sustained FLOP/s and host link, for
-``gems-plan --calibrate``), ``overhead`` (what a rank holds on a GPU besides tensors). The Plan dataclasses and their JSON live in ``gems.plan``.
+real CPU runs), ``calibrate`` (this device's sustained FLOP/s and host link, and the host's optimizer
+updates, for ``gems-plan --calibrate``), ``overhead`` (what a rank holds on a GPU besides tensors). The Plan
+dataclasses and their JSON live in ``gems.plan``.
 
 Note: the name ``plan`` in this package is the function; the dataclass module is
 ``gems.partition.plan`` only through ``from gems.plan import ...``.

@@ -11,6 +11,11 @@ Without measurements the planner prices FLOPs at a V100's fp32 peak times an eff
 * host-link bandwidth (CUDA only): ``HOST_COPY_BYTES`` copied from pinned host memory to the
   device and back, the median of each direction, the slower one kept (offload copies both
   ways). A CPU device has no host link: its memory is host memory.
+* host optimizer throughput (either device: the host updates of ``--state-placement host-optimizer``
+  and ``host`` run on this CPU): torch's fused CPU SGD (with and without momentum), Adam and AdamW
+  on one tensor of ``UPDATE_ELEMENTS`` float32 parameters, the median of ``REPEATS`` steps after
+  ``WARMUP``, as seconds per byte of gradients (``gems.partition.placement.HOST_UPDATE``'s unit), at
+  this process's thread count.
 
 A large convolution is an upper bound on what a whole network sustains (batch norm, ReLU and
 small layers reach less), so the plan uses the rate at efficiency 1 unless told otherwise.
@@ -20,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,7 @@ MIN_RUN_SECONDS = 0.01            # long enough for a timer, short enough for a 
 MAX_BATCH = 256
 WARMUP, REPEATS = 2, 5
 HOST_COPY_BYTES = 256 * 2**20
+UPDATE_ELEMENTS = 4 * 2**20       # 16 MiB of float32: long enough to time, a few ms per step on one thread
 
 
 @dataclass(frozen=True)
@@ -44,14 +50,18 @@ class Calibration:
     dtype: str
     flops_per_second: float            # sustained, one 3x3 convolution forward
     host_bandwidth: float | None       # bytes/s each way over the host link; None: no host link (CPU)
+    host_update: dict[str, float] = field(default_factory=dict)   # per optimizer, a host update's s/byte
 
     def line(self) -> str:
         """One line for people: the figures and how they were measured."""
         link = (f"host link {self.host_bandwidth / 1e9:.1f} GB/s (pinned {format_size(HOST_COPY_BYTES)} copies, "
                 "slower direction)" if self.host_bandwidth is not None
                 else "no host link (the device's memory is host memory)")
+        update = ", ".join(f"{name} {rate * 1e9:.3f}" for name, rate in self.host_update.items())
         return (f"calibrated {self.name}: {self.flops_per_second / 1e12:.3f} TFLOP/s sustained ({self.dtype} 3x3 "
-                f"convolution, median of {REPEATS}), {link}")
+                f"convolution, median of {REPEATS}), {link}"
+                + (f"; host updates in ns per byte of gradients ({torch.get_num_threads()} CPU threads): {update}"
+                   if update else ""))
 
 
 def calibrate(device: str = "cuda", dtype: torch.dtype = torch.float32) -> Calibration:
@@ -64,7 +74,27 @@ def calibrate(device: str = "cuda", dtype: torch.dtype = torch.float32) -> Calib
     where = torch.device(device)
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     bandwidth = _host_bandwidth(where) if device == "cuda" else None
-    return Calibration(device, name, str(dtype).removeprefix("torch."), _conv_rate(where, dtype), bandwidth)
+    return Calibration(device, name, str(dtype).removeprefix("torch."), _conv_rate(where, dtype), bandwidth,
+                       host_update_rates())
+
+
+def host_update_rates(elements: int = UPDATE_ELEMENTS) -> dict[str, float]:
+    """Seconds per byte of float32 gradients of one step of each of torch's CPU optimizers the planner
+    prices (``gems.partition.profile.OPTIMIZER_STATE``), fused where torch has the kernel."""
+    makers = {"sgd": lambda p, f: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=f),
+              "sgd-nomomentum": lambda p, f: torch.optim.SGD(p, lr=0.1, fused=f),
+              "adam": lambda p, f: torch.optim.Adam(p, lr=0.1, fused=f),
+              "adamw": lambda p, f: torch.optim.AdamW(p, lr=0.1, fused=f)}
+    rates = {}
+    for name, make in makers.items():
+        params = [torch.nn.Parameter(torch.zeros(elements))]
+        params[0].grad = torch.full((elements,), 1e-3)
+        try:
+            optimizer = make(params, True)
+        except (RuntimeError, ValueError):   # an older torch without the fused CPU kernel
+            optimizer = make(params, None)
+        rates[name] = _median(optimizer.step, torch.device("cpu")) / (4 * elements)
+    return rates
 
 
 def _conv_rate(device: torch.device, dtype: torch.dtype) -> float:

@@ -30,12 +30,9 @@ def check_modes(recompute: object, offload: object) -> None:
 
 
 def check_placement(placement: object) -> None:
-    """Raise GemsError unless ``placement`` is one of ``PLACEMENT_CHOICES`` that the runtime has."""
+    """Raise GemsError unless ``placement`` is one of ``PLACEMENT_CHOICES``."""
     if placement not in PLACEMENT_CHOICES:
         raise GemsError(f"--state-placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {placement!r}")
-    if placement == "host":
-        raise GemsError("--state-placement host (parameters in host memory too) is not built yet: use device, "
-                        "host-optimizer or auto")
 
 
 def kinds(recompute: str, offload: str, device: str, budgeted: bool) -> list[str]:

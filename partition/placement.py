@@ -11,9 +11,10 @@ down and the parameters up::
     link     gradients + buffers down, parameters up, per step      (StageEstimate.swap_bytes)
 
 Time: the copy out overlaps the rest of the backward; the host update and the parameters' copy
-back follow the step's sync, so each adds to the step (``StageEstimate.host_seconds``, the largest
-position's sum added to ``Plan.step_seconds``): the update at ``HOST_UPDATE`` seconds per byte of
-the gradients the rank updates, the copy back at the host bandwidth.
+back follow the step's sync, so each adds to the step (``StageEstimate.host_seconds``, which the
+simulator adds to each holder's optimizer step, ``gems.schedule.simulate.Costs.host_seconds``): the
+update at ``HOST_UPDATE`` seconds per byte of the gradients the rank updates, the copy back at the host
+bandwidth.
 
 These are model state, apart from the offload pool (``Plan.host_bytes``); unlike offloaded
 activations they are priced on a CPU device too, whose ranks keep the host tier in allocations of
@@ -22,40 +23,53 @@ its own. The device's gradients stay allocated for the whole step, as the runtim
 ``auto`` (``on_device_where_it_fits``): every stage on the host plans the cuts and activation
 policies (the leanest the device can be); then, stage by stage, from the most host state down,
 a stage comes back to the device wherever every holder still fits the budget -- a stage on the
-device needs no transfers nor host update, so it is never slower. A plan whose host state exceeds
-``host_budget`` does not fit.
+device needs no transfers nor host update, so it is never slower. Where even every stage's optimizer on
+the host does not fit, every stage goes to ``host`` (parameters too, ``gems.partition.swapping``), and
+``promoted`` brings each back, to the device or else to ``host-optimizer``, where every holder still fits.
+A plan whose host state exceeds ``host_budget`` does not fit.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from gems.plan import Plan
 from gems.units import format_size
 from .records import UnitProfile
+from .swapping import NOTE, SWAPPED
 
 HOST = "host-optimizer"
 # Seconds per byte of gradients of one host update, torch's fused CPU kernels on one thread (gems.train.optim:
 # resnet18's 11.7 M float32 parameters, SGD with momentum 12.1 ms, Adam 18.4, AdamW 19.9), until --calibrate
-# measures them; a rank with more threads is faster.
+# measures them (``gems.partition.calibrate``, on one 4 Mi-element tensor, so fewer kernel launches: SGD with
+# momentum 0.10, Adam 0.14, AdamW 0.15 ns/byte on one thread here); a rank with more threads is faster.
 HOST_UPDATE = {"sgd": 0.26e-9, "sgd-nomomentum": 0.26e-9, "adam": 0.39e-9, "adamw": 0.43e-9}
 
 
-def stage_state(units: Sequence[UnitProfile], placement: str, shares: Sequence[int]) -> tuple[int, int, int, int]:
-    """(device optimizer bytes, host state bytes, swap bytes per step, gradient bytes the rank updates on the
-    host) of a stage of ``units`` (of a profile with its optimizer state on the device or moved by
-    ``ModelProfile.on_host``), each unit's update shared by ``shares`` ranks (``--shard-optimizer``)."""
+def stage_state(units: Sequence[UnitProfile], placement: str, shares: Sequence[int]) -> tuple[int, int, int]:
+    """(device optimizer bytes, host state bytes, gradient bytes the rank updates on the host) of a stage of
+    ``units`` (of a profile with its optimizer state on the device or moved by ``ModelProfile.on_host``),
+    each unit's update shared by ``shares`` ranks (``--shard-optimizer``). What it moves per step:
+    ``optimizer_swap``, or for ``host`` per visit (``gems.partition.swapping``)."""
     optimizer = sum(u.optimizer_bytes + u.host_optimizer_bytes for u in units)
-    if placement != HOST:
-        return optimizer, 0, 0, 0
+    if placement not in (HOST, SWAPPED):
+        return optimizer, 0, 0
     grads, buffers = sum(u.grad_bytes for u in units), sum(u.buffer_bytes for u in units)
     updated = sum(-(-u.grad_bytes // n) for u, n in zip(units, shares))
-    return 0, optimizer + 2 * grads + buffers, 2 * grads + buffers, updated
+    return 0, optimizer + 2 * grads + buffers, updated   # host: the same tier, the device's copy swapped
 
 
-def host_seconds(updated: int, params: int, optimizer: str, bandwidth: float) -> float:
-    """A stage's host update of ``updated`` gradient bytes and the copy back of its ``params`` bytes."""
-    return updated * HOST_UPDATE[optimizer] + params / bandwidth
+def optimizer_swap(grad_bytes: int, buffer_bytes: int) -> tuple[int, int]:
+    """(bytes up, bytes down) per step of a ``host-optimizer`` stage: the new parameters up, its gradient
+    segment (gradients, then the floating buffers) down."""
+    return grad_bytes, grad_bytes + buffer_bytes
+
+
+def host_seconds(updated: int, params: int, optimizer: str, bandwidth: float,
+                 rates: dict[str, float] | None = None) -> float:
+    """A stage's host update of ``updated`` gradient bytes (at ``rates``, seconds per byte per optimizer
+    as ``--calibrate`` measures them, else ``HOST_UPDATE``) and the copy back of its ``params`` bytes."""
+    return updated * (rates or HOST_UPDATE)[optimizer] + params / bandwidth
 
 
 def slowest_host(plan: Plan) -> float:
@@ -116,6 +130,10 @@ def on_device_where_it_fits(plan: Plan, room: int) -> Plan:
                          plain_peak_bytes=p.plain_peak_bytes + added[p.position]) for p in plan.positions]
     placed = replace(plan, stage_estimates=estimates, policies=policies, positions=positions, notes=list(plan.notes))
     placed.state_host_bytes = host_state(placed)
+    moved = [[optimizer_swap(estimates[s].grad_bytes, estimates[s].buffer_bytes) for s in p.stages
+              if policies[s].state_placement == HOST] for p in plan.positions]
+    placed.swap_bytes = [[sum(up for up, _ in m), sum(down for _, down in m)] for m in moved] \
+        if placed.state_host_bytes else []
     slower = slowest_host(placed) - slowest_host(plan)
     placed.step_seconds = None if plan.step_seconds is None else plan.step_seconds + slower
     placed.plain_step_seconds = None if plan.plain_step_seconds is None else plan.plain_step_seconds + slower
@@ -125,3 +143,26 @@ def on_device_where_it_fits(plan: Plan, room: int) -> Plan:
                         "host memory (host-optimizer), the rest on the device" if on_host else
                         "--state-placement auto: every stage's state fits on the device")
     return placed
+
+
+def promoted(plan: Plan, reassembled: Callable[[Plan, list[str]], Plan]) -> Plan:
+    """``plan`` (every stage ``host``, fitting) with stages brought back where every holder still fits:
+    the stage moving the most bytes first, to the device or else to ``host-optimizer`` -- either needs no
+    weight transfers, so it is never slower. ``reassembled(plan, placements)``: the plan's cuts and
+    policies estimated with these per-stage placements."""
+    placements = [p.state_placement for p in plan.policies]
+    best = plan
+    for s in sorted(range(plan.stages), key=lambda s: -plan.stage_estimates[s].swap_bytes):
+        for target in ("device", HOST):
+            trial = reassembled(plan, placements[:s] + [target] + placements[s + 1:])
+            if trial.fits:
+                placements[s], best = target, trial
+                break
+    best.notes = [n for n in plan.notes if not n.startswith(NOTE)] + [n for n in best.notes if n.startswith(NOTE)]
+    moved = [s for s, p in enumerate(placements) if p == SWAPPED]
+    lighter = [s for s, p in enumerate(placements) if p == HOST]
+    best.notes.append("--state-placement auto: the parameters of stage(s) " + ",".join(map(str, moved))
+                      + " in host memory too, on the device per weight group (host)"
+                      + (f"; the optimizer state of stage(s) {','.join(map(str, lighter))} (host-optimizer)"
+                         if lighter else "") + "; the rest on the device")
+    return best

@@ -22,28 +22,23 @@ with ``comm`` given, the plan reports it apart from the tensor peaks and leaves 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-import numpy as np
 import torch
 from torch import nn
 
 from gems.errors import GemsError
-from gems.graph import GraphUnits, balance_at, graph_units, stage_routes
-from gems.pipeline.routes import Routes, tiled_sources
-from gems.plan import Plan, PositionEstimate, StageEstimate, StagePolicy
+from gems.graph import GraphUnits, balance_at, graph_units
+from gems.plan import Plan, StagePolicy
 from gems.plan import formats
 from gems.schedule import generators as schedules
-from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
-from gems.schedule.topology import Topology, ranks_per_group
+from gems.schedule.simulate import EFFICIENCY, V100_FLOPS
 from gems.units import format_size, parse_size
-from .backward import choose, predicted_step, split_mode
+from .backward import choose, split_mode
 from .budget import relax, smallest_fitting
-from .costs import BALANCE_BY, CostModel, highest, unit_seconds
-from .forward import forward_bytes, message_buffers
+from .costs import BALANCE_BY, CostModel, unit_seconds
+from .job import Job
 from .options import HOST_BANDWIDTH, check_modes, check_placement, kinds, parse_bandwidth
-from .placement import (HOST, check_host_budget, host_seconds, host_state, on_device_where_it_fits, slowest_host,
-                        stage_state)
+from .placement import HOST, check_host_budget, on_device_where_it_fits, promoted
 from .order import fastest_order
 from .overhead import COMMS, device_overhead
 from .policy import PolicyModel
@@ -52,7 +47,8 @@ from .records import ModelProfile
 from .cuts import balanced_cuts
 from .solver import cuts_from_balance
 from .request import dtype_of, input_shape_of, positive_int
-from .spatial import AUTO_TILES, Tiling, member_peaks, parse_spatial, reaches, search, tiled_profile, tiled_times
+from .spatial import AUTO_TILES, Tiling, parse_spatial, reaches, search, tiled_profile, tiled_times
+from .swapping import SWAPPED
 
 AMP = {"none": None, "bf16": torch.bfloat16}   # --amp: the dtype forwards autocast to
 
@@ -70,7 +66,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
          shard_optimizer: bool = False, spatial: int | str | tuple[int, int] | None = None,
          spatial_end: int | None = None, spatial_start: int | None = None, memory_format: str = "contiguous",
          compile: bool = False, state_placement: str = "device",
-         host_memory_budget: int | str | None = None) -> Plan:
+         host_memory_budget: int | str | None = None, host_update: dict[str, float] | None = None) -> Plan:
     """Cut ``model`` into ``stages`` stages for ``schedule``: an nn.Sequential's elements are its
     units; any other module is traced into units (``gems.graph.graph_units``, with
     ``leaf_modules`` run whole) at this plan's micro-batch shape. ``split_points`` (module paths,
@@ -108,11 +104,15 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     ``memory_format`` ("contiguous" or "channels_last", ``gems.plan.formats``): how the stages will lay
     out their 4-D tensors, which the profile runs in (kernels take different scratch memory); a model
     without 4-D parameters stays contiguous, with a note.
-    ``state_placement`` ("device", "host-optimizer" or "auto"): where every stage's model state lives
-    (``StagePolicy.state_placement``, priced by ``gems.partition.placement``); "auto", with a memory budget
-    that the state on the device misses, plans every stage on the host and brings back to the device each
-    stage that still fits. ``host_memory_budget`` (bytes or "64GiB" per rank; None: unbounded) bounds host
-    memory for model state and offloaded activations.
+    ``state_placement`` ("device", "host-optimizer", "host" or "auto"): where every stage's model state lives
+    (``StagePolicy.state_placement``, priced by ``gems.partition.placement`` and, for "host", whose parameters
+    come to the device per weight group, ``gems.partition.swapping``); "auto", with a memory budget that the
+    state on the device misses, plans every stage's optimizer on the host and brings back to the device each
+    stage that still fits; where even that misses, every stage on "host", then brings each stage back to the
+    device, or else to "host-optimizer", where it still fits (``placement.promoted``). ``host_memory_budget``
+    (bytes or "64GiB" per rank; None: unbounded) bounds host memory for model state and offloaded activations.
+    ``host_update``: seconds per byte of gradients of a host update per optimizer, as
+    ``gems.partition.calibrate`` measures them (None: ``placement.HOST_UPDATE``).
     Raises GemsError naming the fix for any unusable input.
     """
     name = model_name or type(model).__name__
@@ -140,6 +140,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     check_modes(recompute, offload)
     check_placement(state_placement)
     host_budget = None if host_memory_budget is None else parse_size(host_memory_budget)
+    if host_update is not None and not (isinstance(host_update, dict) and isinstance(host_update.get(optimizer), float)
+                                        and host_update[optimizer] > 0):
+        raise GemsError(f"host_update must give {optimizer}'s seconds per byte of a host update, a positive float, "
+                        f"e.g. {{'{optimizer}': 0.4e-9}}")
     if host_budget is not None and host_budget <= 0:
         raise GemsError("the host memory budget must be positive, e.g. 64GiB")
     if device not in ("cuda", "cpu"):
@@ -204,21 +208,23 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
     sharers = groups * sum(0 in schedules.holds(schedule, K, p) for p in range(K)) if shard_optimizer else 1
     allowed = kinds(recompute, offload, device, budget is not None)
 
-    def job(tiles: Tiling | None, placement: str) -> _Job:
-        """What every plan with this spatial part (None: none) and state placement shares: the profile and
-        prices of the rank that holds the most, a tile group's leader, and of its other ranks
-        (``gems.partition.spatial``)."""
+    def job(tiles: Tiling | None, placement: str | list[str]) -> Job:
+        """What every plan with this spatial part (None: none) and state placement (of every unit, or per
+        unit) shares: the profile and prices of the rank that holds the most, a tile group's leader, and of
+        its other ranks (``gems.partition.spatial``)."""
+        placements = [placement] * n if isinstance(placement, str) else placement
         share = [sharers * (tiles.tiles if tiles and shard_optimizer and tiles.tiled(u) else 1) for u in range(n)]
         p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(share)
-        p = p.on_host() if placement == HOST else p   # cut and fitted as the device holds it
+        # cut and fitted as the device holds it
+        p = p.on_host(where=[w != "device" for w in placements]).on_host(True, [w == SWAPPED for w in placements])
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
         def priced(q: ModelProfile) -> PolicyModel:
             return PolicyModel(q, device, *unit_seconds(q, rate, times), bandwidth, tiles.barriers if tiles else ())
         member = priced(tiled_profile(prof, tiles, member=True).sharded(share)) if tiles else None
-        return _Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
-                    member, placement, share)
+        return Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
+                   member, placements, share, host_update)
 
-    def solved(job: _Job, split: bool) -> Plan:
+    def solved(job: Job, split: bool) -> Plan:
         """The plan of ``job``: cut, assembled, with policies that fit the budget if any can."""
         costs = CostModel(job.prof, schedule, K, m, job.unit_times, job.policies, allowed[0], split,
                           job.tiling.end if job.tiling else 0, job.tiling.start if job.tiling else 0)
@@ -233,7 +239,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
                                 made.policies)
         return fastest_order(made, reordered)
 
-    def planned(split: bool, plain: _Job) -> tuple[Plan, str]:
+    def planned(split: bool, plain: Job) -> tuple[Plan, str]:
         """The plan with the backward split or not, and what --spatial auto could not do."""
         result = solved(plain, split) if request in (None, "auto") else None
         why = ""   # for the error when nothing fits
@@ -242,27 +248,39 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
                                   suffixes and spatial_start != 0)   # kept with the profiles: once per size
             why = (f"; no spatial part helps either: {reach.reason}" if reach.end == 0 else
                    f", or tile stage 0 on more ranks than --spatial auto tries ({', '.join(map(str, AUTO_TILES))})")
-            tiled = search(lambda tiles: solved(job(tiles, plain.placement), split), reach, request, spatial_end, prof,
-                           K, cuts, tail)
+            tiled = search(lambda tiles: solved(job(tiles, plain.placements), split), reach, request, spatial_end,
+                           prof, K, cuts, tail)
             if tiled is not None and result is not None:
                 tiled.notes.append(f"no plan without a spatial part fits the budget, so stage 0's units [0, "
                                    f"{tiled.spatial_end}) run on tile groups of {tiled.tiles} ranks (--spatial auto)")
             result = tiled or result
         return result, why
 
-    def placed(placement: str) -> tuple[Plan, str, _Job]:
+    def placed(placement: str) -> tuple[Plan, str, Job]:
         plain = job(None, placement)
         made, why = (choose(lambda split: planned(split, plain)) if split_backward is None
                      else planned(split_backward, plain))
         return made, why, plain
 
-    result, why, plain = placed(HOST if state_placement == HOST else "device")
+    def reassembled(made: Plan, placements: list[str]) -> Plan:
+        """``made``'s cuts and policies with these per-stage placements."""
+        again = job(None, [placements[s] for s in range(K) for _ in range(made.cuts[s], made.cuts[s + 1])])
+        costs = CostModel(again.prof, schedule, K, m, again.unit_times, again.policies, allowed[0],
+                          made.split_backward, order=made.order)
+        return again.assemble(costs, made.cuts, balanced_cuts(costs, made.balance_by, made.cuts)[1], made.balance_by,
+                              made.policies)
+
+    result, why, plain = placed(state_placement if state_placement in (HOST, SWAPPED) else "device")
     if state_placement == "auto" and budget is not None and not result.fits:
         lean = placed(HOST)
         if lean[0].fits:
             result, why, plain = on_device_where_it_fits(lean[0], plain.room), lean[1], lean[2]
-        elif lean[0].peak_bytes < result.peak_bytes:
-            result, why, plain = lean
+        else:
+            leaner = placed(SWAPPED)   # parameters on the host too, only where the optimizer's state is not enough
+            if leaner[0].fits and not leaner[0].spatial_grid:
+                leaner = (promoted(leaner[0], reassembled), *leaner[1:])
+            result, why, plain = min((leaner, lean, (result, why, plain)),
+                                     key=lambda made: (not made[0].fits, made[0].peak_bytes))
     check_host_budget(result, host_budget)
     if budget is not None and not result.fits and not result.spatial_grid:
         try:
@@ -291,7 +309,7 @@ def _uniform(policies: PolicyModel, costs: CostModel, cuts: list[int], kind: str
     return [policies.choose(kind, cuts[s], cuts[s + 1], costs.holders(s)) for s in range(costs.K)]
 
 
-def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str, allowed: list[str],
+def _fit(job: Job, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str, allowed: list[str],
          recut: bool) -> Plan:
     """The fastest plan within the budget with policies from ``allowed`` on these cuts or (with
     ``recut``) on cuts balanced for the leanest of them (module docstring); the leanest plan
@@ -303,8 +321,9 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         options.append((*balanced_cuts(lean, "memory"), "memory"))
     found = []
     for option_cuts, option_loads, option_by in options:
-        # message buffers depend on the cuts (and the schedule) alone: the policies must fit beside them
-        chosen = relax(costs, option_cuts, allowed, job.room - max(job.sending(costs, option_cuts)))
+        # message buffers and resident weight groups depend on the cuts (and the schedule) alone: the policies
+        # must fit beside them
+        chosen = relax(costs, option_cuts, allowed, job.room - job.reserved(costs, option_cuts))
         if chosen is not None:
             found.append(job.assemble(costs, option_cuts, option_loads, option_by, chosen))
     if not found:
@@ -315,137 +334,3 @@ def _fit(job: _Job, costs: CostModel, cuts: list[int], loads: list[float], balan
         best.notes.append(f"balanced by memory with the policies priced in, not by {balance_by}: "
                           "that fits the budget with the least added time")
     return best
-
-
-class _Job:
-    """What every candidate plan shares: the profile, its policy prices (``member``: of a tile group's
-    other ranks), the request. ``room``: the budget left for tensors once ``overhead`` is counted."""
-
-    def __init__(self, prof: ModelProfile, units: nn.Sequential, policies: PolicyModel, name: str,
-                 shape: tuple[int, ...], batch_size: int, groups: int, budget: int | None, rate: float,
-                 overhead: dict[str, int], amp: str, unit_times: Sequence[float] | None,
-                 tiling: Tiling | None, member: PolicyModel | None = None, placement: str = "device",
-                 shares: Sequence[int] = ()) -> None:
-        self.prof, self.units, self.policies, self.member, self.name = prof, units, policies, member, name
-        self.placement = placement   # of every stage's model state (gems.partition.placement)
-        self.shares = list(shares) or [1] * len(prof)   # per unit, the ranks sharing its optimizer
-        self.shape, self.batch_size, self.groups, self.budget, self.rate = shape, batch_size, groups, budget, rate
-        self.overhead, self.amp, self.unit_times, self.tiling = overhead, amp, unit_times, tiling
-        self.room = None if budget is None else budget - sum(overhead.values())
-        self.working = prof.working_matrix()
-        self._sending: dict[tuple, list[int]] = {}
-
-    def edges(self, cuts: Sequence[int]) -> Routes:
-        """The messages between the stages of these cuts (``gems.pipeline.routes``), the skips of a
-        spatial part that go tile to tile as tiles."""
-        units, K, tiles = self.prof.units, len(cuts) - 1, self.tiling
-        return Routes(stage_routes(self.units, cuts),
-                      [list(units[cuts[s + 1] - 1].output_shapes) for s in range(K)],
-                      [list(units[cuts[s + 1] - 1].output_dtypes) for s in range(K)],
-                      tiled=tiled_sources(self.units, cuts, tiles.end, tiles.start) if tiles else (),
-                      grid=tiles.grid if tiles else (1, 1))
-
-    def sending(self, costs: CostModel, cuts: Sequence[int]) -> list[int]:
-        """Per position, message buffers beyond the stages' own tensors at most (``message_buffers``)."""
-        key = (costs.schedule, costs.K, costs.m, tuple(cuts), costs.split, costs.order)
-        if key not in self._sending:
-            self._sending[key] = message_buffers(*key[:3], self.edges(cuts), self.prof.micro_batch_size, costs.split,
-                                                 order=costs.order)
-        return self._sending[key]
-
-    def assemble(self, costs: CostModel, cuts: list[int], loads: list[float], balance_by: str,
-                 policies: list[StagePolicy]) -> Plan:
-        K, units, prices = costs.K, self.prof.units, self.policies
-        policies = [replace(p, state_placement=self.placement) for p in policies]
-        edges = self.edges(cuts)
-        sent = edges.message_bytes(self.prof.micro_batch_size)   # per edge: packed forward message
-        stage_estimates, on = [], []
-        tiles = self.tiling
-        for s in range(K):
-            lo, hi = cuts[s], cuts[s + 1]
-            part, policy = units[lo:hi], policies[s]
-            mem = prices.memory(lo, hi, policy)
-            on.append(costs.stage(cuts, s, policy))
-            optimizer, host, swap, updated = stage_state(part, policy.state_placement, self.shares[lo:hi])
-            stage_estimates.append(StageEstimate(
-                stage=s, first_unit=lo, end_unit=hi, unit_names=[u.name for u in part],
-                param_bytes=sum(u.param_bytes for u in part), grad_bytes=sum(u.grad_bytes for u in part),
-                optimizer_bytes=optimizer, buffer_bytes=sum(u.buffer_bytes for u in part),
-                activation_bytes=mem.kept, transient_bytes=int(self.working[lo, hi]),
-                input_bytes=sum(b for (_, j), b in sent.items() if j == s),
-                output_bytes=sum(b for (i, _), b in sent.items() if i == s),
-                sends=[[j, b] for (i, j), b in sent.items() if i == s],
-                forward_flops=sum(u.forward_flops for u in part), backward_flops=sum(u.backward_flops for u in part),
-                plain_activation_bytes=mem.plain, recompute_bytes=mem.remat, offload_bytes=mem.back,
-                extra_seconds=sum(c.seconds for c in on[s].values()),
-                spatial_seconds=tiles.seconds if tiles and s == 0 else 0.0,
-                split_bytes=costs.between(cuts, s, policy), host_state_bytes=host, swap_bytes=swap,
-                host_seconds=host_seconds(updated, sum(u.grad_bytes for u in part), self.prof.optimizer,
-                                          prices.host_bandwidth) if host else 0.0))
-        positions = []
-        sending = self.sending(costs, cuts)
-        for p in range(K):
-            held = costs.holds(p)
-            est = [stage_estimates[s] for s in held]
-            parts = [on[s][p] for s in held]
-            between = {s: stage_estimates[s].split_bytes for s in held}
-            live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
-                                                   {s: on[s][p].transient for s in held},
-                                                   {s: on[s][p].back for s in held}, between)
-            _, plain_activations, plain_transient = highest(
-                costs.moments[p], {s: stage_estimates[s].plain_activation_bytes for s in held},
-                {s: stage_estimates[s].transient_bytes for s in held}, None, between)
-            in_flight = {s: int(live.get(s, 0)) for s in held}
-            static = sum(e.static_bytes for e in est)
-            extra = sum(c.seconds for c in parts)
-            compute = costs.compute_seconds(p, cuts) + costs.handled(p, 0) * stage_estimates[0].spatial_seconds
-            positions.append(PositionEstimate(
-                position=p, stages=held, units=sum(e.end_unit - e.first_unit for e in est),
-                param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
-                activation_bytes=activations, transient_bytes=transient,
-                peak_bytes=static + activations + transient + sending[p], send_bytes=sending[p],
-                flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
-                plain_peak_bytes=static + plain_activations + plain_transient + sending[p],
-                recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
-        P, suffix = (tiles.tiles, bool(tiles.start)) if tiles else (1, False)
-        ranks = Topology(ranks_per_group(K, costs.schedule, P, suffix), K, costs.schedule, P, suffix)
-        if tiles:   # a member's peak, its receives and sends of the skips' tiles (gems.pipeline.routes) included
-            buffers = message_buffers(costs.schedule, K, costs.m, edges, self.prof.micro_batch_size, costs.split,
-                                      order=costs.order, members=ranks)
-            for p, peak in enumerate(member_peaks(self.member, costs, cuts, policies, tiles)):
-                positions[p].member_peak_bytes = peak + buffers[p] if peak else 0
-        lists = schedules.schedule(costs.schedule, K, costs.m, edges.skips, costs.split, costs.order)
-        for p, got in enumerate(edges.received_bytes(lists, ranks, self.prof.micro_batch_size)):
-            positions[p].received_bytes = got
-        mean = float(np.mean(loads))
-        fits = None if self.room is None else max(p.peak_bytes for p in positions) <= self.room
-        result = Plan(
-            model_name=self.name, input_shape=self.shape, batch_size=self.batch_size, groups=self.groups, stages=K,
-            schedule=costs.schedule, micro_batches=costs.m, balance_by=balance_by, optimizer=self.prof.optimizer,
-            dtype=self.prof.dtype, memory_budget=self.budget, micro_batch_size=self.prof.micro_batch_size,
-            cuts=list(cuts), unit_names=[u.name for u in units],
-            stage_output_shapes=edges.shapes, stage_output_dtypes=edges.names,
-            stage_estimates=stage_estimates, positions=positions,
-            load_unit={"memory": "B", "flops": "FLOP"}.get(balance_by, costs.time_unit),
-            imbalance=max(loads) / mean if mean > 0 else 1.0, fits=fits, policies=list(policies),
-            device=prices.device, host_bandwidth=prices.host_bandwidth, flops_per_second=self.rate, amp=self.amp,
-            device_overhead=dict(self.overhead), host_bytes=costs.host_bytes(cuts, policies),
-            forward_bytes=forward_bytes(self.prof, costs.schedule, K, costs.m, list(cuts), edges, order=costs.order),
-            routes=edges.routes, split_backward=costs.split,
-            order=costs.order or schedules.variant(costs.schedule, K, costs.m, costs.split),
-            spatial_grid=list(tiles.grid) if tiles else [], spatial_end=tiles.end if tiles else 0,
-            spatial_start=tiles.start if tiles else 0)
-        result.state_host_bytes = host_state(result)
-        policed = any(p.kind != "none" for p in policies)
-        if policed or tiles:
-            timed = costs_from_plan(result, self.rate, 1.0)
-            result.step_seconds = predicted_step(result, timed)
-        if policed:
-            runs = result.micro_batches * schedules.replicas(result.schedule)
-            timed.backward = [b - s.extra_seconds / runs for b, s in zip(timed.backward, stage_estimates)]
-            result.plain_step_seconds = predicted_step(result, timed)
-        if result.state_host_bytes:   # the host updates and copies back follow the step's sync
-            result.step_seconds = (result.step_seconds or predicted_step(result)) + slowest_host(result)
-            if result.plain_step_seconds is not None:
-                result.plain_step_seconds += slowest_host(result)
-        return result

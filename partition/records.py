@@ -52,11 +52,15 @@ class UnitProfile:
     captured_bytes: int = 0   # gradients a split backward keeps between its halves (the outputs of
                               # the ops its trainable parameters enter: ``tracking.WeightedOutputs``)
     host_optimizer_bytes: int = 0   # optimizer state that ``ModelProfile.on_host`` moved off the device
+    swapped: bool = False     # trainable parameters and their gradients in host memory too (``ModelProfile.on_host``):
+                              # on the device only while its weight group is (gems.partition.swapping)
 
     @property
     def static_bytes(self) -> int:
-        """Memory the unit holds whatever the micro-batch: parameters, gradients, state, buffers."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+        """Memory the unit holds on the device whatever the micro-batch: parameters, gradients, state,
+        buffers (a swapped unit's trainable parameters and gradients are priced per weight group instead)."""
+        weights = self.param_bytes - self.grad_bytes if self.swapped else self.param_bytes + self.grad_bytes
+        return weights + self.buffer_bytes + self.optimizer_bytes
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,15 @@ class ModelProfile:
         return replace(self, units=[replace(u, optimizer_bytes=-(-u.optimizer_bytes // n))
                                     for u, n in zip(self.units, per_unit)])
 
-    def on_host(self) -> ModelProfile:
-        """This profile as the device holds it with every unit's optimizer state in host memory
-        (``--state-placement host-optimizer``): ``optimizer_bytes`` moved to ``host_optimizer_bytes``."""
-        return replace(self, units=[replace(u, optimizer_bytes=0,
+    def on_host(self, weights: bool = False, where: Sequence[bool] | None = None) -> ModelProfile:
+        """This profile as the device holds it with the optimizer state of every unit (or of those
+        ``where`` marks) in host memory (``--state-placement host-optimizer``): ``optimizer_bytes`` moved
+        to ``host_optimizer_bytes``; with ``weights`` their trainable parameters and gradients too
+        (``host``: ``swapped``)."""
+        where = [True] * len(self.units) if where is None else list(where)
+        return replace(self, units=[replace(u, optimizer_bytes=0, swapped=weights or u.swapped,
                                             host_optimizer_bytes=u.host_optimizer_bytes + u.optimizer_bytes)
-                                    for u in self.units])
+                                    if moved else u for u, moved in zip(self.units, where)])
 
     def activation_bytes(self, lo: int, hi: int) -> int:
         """Bytes stage [lo, hi) keeps per micro-batch in flight (see module docstring)."""

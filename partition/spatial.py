@@ -9,13 +9,16 @@ The planner prices the leader, the most loaded rank of the group (the other memb
 0's parameters and their tiles only), by rewriting the profile (``tiled_profile``) and pricing it
 as usual::
 
-    tiled units       activations, working memory, FLOPs / P (a tile's share, rounded up)
+    tiled units       activations, working memory, FLOPs / P (a tile's share, rounded up), but
+                      for the working memory the size of a parameter, whole on every tile
+                      (``Tiling.weights``: the unit's largest parameter gradient before it is
+                      accumulated, and the kernels' copies of its weight, ``partition.tracking``)
                       + per sliding window the halo rows and columns its tile fetches
                         (``Window.fetched``: kept for backward, and its gradient in backward)
                       + in working memory the copies of the tile a window makes beyond what
                         PyTorch's own layer would (``Window.copies``: the tile joined with its
-                        halo in forward; in backward that region rebuilt and the tile's own
-                        gradient cut from the region's); the most of any window of the unit
+                        halo in forward; in backward that region rebuilt and its gradient, the
+                        tile's a view of it); the most of any window of the unit
     the image         a tile / P: the engine moves only this rank's tile of the batch to the device
     the gathered boundary at ``end``, and all after it up to a suffix: full; while gathering (or
                       scattering) a boundary, the other tiles' share of it in receive buffers
@@ -25,9 +28,10 @@ as usual::
 
 Time: compute of tiled units / P (from the FLOPs above), plus per micro-batch the halo fetches
 of one rank, the gather at ``end`` (the leader receives all but its own tile) and a suffix's
-scatter and output gather, each once in forward and once back in backward, over the intra-node link of ``gems.schedule.simulate``'s
-V100 cluster (a tile group exchanges at every layer, so it belongs on one node); group sums of
-normalisation statistics (a few bytes) are not counted. ``Tiling.seconds``.
+scatter and output gather, each once in forward and once back in backward, over the intra-node
+link of ``gems.schedule.simulate``'s V100 cluster (a tile group exchanges at every layer, so it
+belongs on one node); group sums of normalisation statistics (a few bytes) are not counted.
+``Tiling.seconds``.
 
 The grid with the least halo traffic (``Window.traffic``) is chosen among ``geometry.grids(P)``
 that the tiled activations allow (``choose_grid``).
@@ -85,6 +89,7 @@ class Tiling:
     messages: int          # halo, gather and scatter messages of one rank per forward
     start: int = 0
     skipped: int = 0
+    weights: tuple[int, ...] = ()   # per unit, bytes of its largest trainable parameter (``Reach.weights``)
 
     @property
     def tiles(self) -> int:
@@ -135,7 +140,7 @@ def tiling(reach: Reach, grid: tuple[int, int], end: int, prof: ModelProfile, su
                                               if suffix else [])
     gather = sum((P - 1) * _share(b, P) for b in moved)
     return Tiling(tuple(grid), end, halo, copies, gather, messages + (P - 1) * len(moved),
-                  suffix.first if suffix else 0, skipped)
+                  suffix.first if suffix else 0, skipped, tuple(n * itemsize for n in reach.weights))
 
 
 def _skip(s: Storage, end: int, start: int) -> bool:
@@ -163,10 +168,19 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
             moving[start] += (P - 1) * _share(int(boundary[start]) - t.skipped, P)
             moving[-1] += (P - 1) * _share(prof.units[-1].output_bytes, P)
     untiled = (lambda u: replace(u, **dict.fromkeys(_HELD, 0))) if member else (lambda u: u)
+    weights = t.weights or (0,) * len(prof)
+
+    def part(working: int, copies: int, unit: int) -> int:
+        """A tile's share of ``working`` but for up to ``copies`` copies of the unit's largest
+        parameter, which every tile holds whole."""
+        whole = min(working, copies * weights[unit])
+        return _share(working - whole, P) + whole
     units = [replace(u, saved_bytes=_share(u.saved_bytes, P) + t.halo[i],
-                     forward_working=_share(u.forward_working, P) + t.halo[i] + t.copies[i][0] + moving[i],
-                     backward_working=_share(u.backward_working, P) + 2 * t.halo[i] + t.copies[i][1] + moving[i],
-                     eval_working=_share(u.eval_working, P) + t.halo[i] + t.copies[i][0] + moving[i],
+                     forward_working=part(u.forward_working, WEIGHT_COPIES[0], i) + t.halo[i] + t.copies[i][0]
+                     + moving[i],
+                     backward_working=part(u.backward_working, WEIGHT_COPIES[1], i) + 2 * t.halo[i] + t.copies[i][1]
+                     + moving[i],
+                     eval_working=part(u.eval_working, WEIGHT_COPIES[0], i) + t.halo[i] + t.copies[i][0] + moving[i],
                      forward_flops=_share(u.forward_flops, P), backward_flops=_share(u.backward_flops, P),
                      captured_bytes=_share(u.captured_bytes, P))
              if t.tiled(i) else untiled(u) for i, u in enumerate(prof.units)]
@@ -177,6 +191,14 @@ def tiled_profile(prof: ModelProfile, t: Tiling, member: bool = False) -> ModelP
     storages += [Storage(nbytes=b, savers=(u,), boundaries=()) for u, b in enumerate(t.halo) if b]
     return replace(prof, units=units, storages=storages, _matrix=None, _working=None)
 
+
+# Copies of a tiled unit's largest parameter in its working memory (forward, backward), whole on every
+# tile: ``partition.profile`` allows its gradient, computed before it is accumulated (backward), and
+# kernel scratch of the largest operand a convolution touches (``tracking.scratch_bytes``), which
+# where activations are tiles may be its weight -- once in NCHW; twice in NHWC, in backward only.
+# The most of either layout, so that a tile's estimate stays above what it holds (in NCHW by up to
+# one parameter's (P - 1) / P).
+WEIGHT_COPIES = (1, 3)
 
 # what a member holds of a unit it does not run: nothing
 _HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "saved_bytes", "forward_working",

@@ -92,16 +92,24 @@ _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partiti
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
               batch: int | None = None, split: bool | None = False, shard: bool = False,
-              order: str = "", memory_format: str = "contiguous", placement: str = "device") -> partition.Plan:
+              order: str = "", memory_format: str = "contiguous", placement: str = "device",
+              group_units: int = 0, grouped: bool = False) -> partition.Plan:
     """The plan of ``build(kind)`` for this layout, every stage under ``policy`` with its model state
     at ``placement`` (on the cuts of the state on the device, so that placements compare bit for bit;
-    and the schedule search's ``order`` when given). Profiles with fake tensors (each micro-batch size
-    once per kind): call it in the main thread."""
+    and the schedule search's ``order`` when given); ``group_units``: under placement "host", weight
+    groups of that many units (0: the whole stage one group), run group-major with ``grouped``
+    (``Plan.swap_grouped``). Profiles with fake tensors (each micro-batch size once per kind): call it
+    in the main thread."""
     batch = batch_size(schedule, m, D) if batch is None else batch
     plan = partition.plan(build(kind), input_shape=(3, side, side), batch_size=batch, stages=K,
                           schedule=schedule, micro_batches=m, groups=D, split_backward=split, shard_optimizer=shard,
                           profiles=_PROFILES.setdefault((kind, side), {}))
     plan.policies = [dataclasses.replace(p, state_placement=placement) for p in policies(policy, plan.cuts)]
+    if group_units:
+        plan.policies = [dataclasses.replace(p, weight_groups=[[u, min(u + group_units, hi)]
+                                                               for u in range(lo, hi, group_units)])
+                         for p, lo, hi in zip(plan.policies, plan.cuts, plan.cuts[1:])]
+    plan.swap_grouped = grouped
     plan.order = order or plan.order
     plan.memory_format = memory_format
     return plan
@@ -266,12 +274,12 @@ def check_copies(where: str, state: dict[str, torch.Tensor], copies: list[dict[s
 # ---------------------------------------------------------------- drivers
 def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
         clip: float | None = None, side: int = SIDE, policy: str = "none", memory_format: str = "contiguous",
-        optim: str = "sgd", placement: str = "device", shard: bool = False) -> str:
+        optim: str = "sgd", placement: str = "device", shard: bool = False, group_units: int = 0) -> str:
     """One rank of an mpiexec launch: train, check, and return the "ok ..." line (raises
     Mismatch otherwise). COLLECTIVE."""
     D = comm.size // K
     plan = make_plan(kind, schedule, K, m, D, side, policy, memory_format=memory_format, placement=placement,
-                     shard=shard)
+                     shard=shard, group_units=group_units)
     result = train(comm, build(kind), plan, steps, side, clip, optim)
     where = describe(kind, schedule, K, D, m, clip, policy) + (f" {memory_format}" if memory_format != "contiguous" else "")
     check_calls(where, result)
@@ -292,11 +300,13 @@ def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
 def per_rank(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE,
              policy: str = "none", split: bool | None = False, shard: bool = False,
              order: str = "", memory_format: str = "contiguous",
-             placement: str = "device") -> tuple[list[nn.Sequential], list[partition.Plan]]:
+             placement: str = "device", group_units: int = 0,
+             grouped: bool = False) -> tuple[list[nn.Sequential], list[partition.Plan]]:
     """For each of the K x D loopback ranks, its own copy of ``build(kind)`` and of the plan,
     made here in the calling (main) thread: rank r trains ``copies[r]`` under ``plans[r]``."""
     model, plan = build(kind), make_plan(kind, schedule, K, m, D, side, policy, split=split, shard=shard, order=order,
-                                               memory_format=memory_format, placement=placement)
+                                               memory_format=memory_format, placement=placement,
+                                               group_units=group_units, grouped=grouped)
     return [copy.deepcopy(model) for _ in range(K * D)], [copy.deepcopy(plan) for _ in range(K * D)]
 
 
@@ -309,13 +319,14 @@ def run_loopback(kind: str, schedule: str, K: int, m: int, D: int, steps: int | 
                  rtol: float = 1e-5, clip: float | None = None, side: int = SIDE, policy: str = "none",
                  semantics: str = "mpi", timeout: float = 20.0, split: bool | None = False,
                  shard: bool = False, order: str = "", memory_format: str = "contiguous", optim: str = "sgd",
-                 placement: str = "device") -> list[Result]:
+                 placement: str = "device", group_units: int = 0, grouped: bool = False) -> list[Result]:
     """Train on K x D loopback ranks (threads) with ``OPTIMIZERS[optim]``, model state at
     ``placement``, and check, as ``run`` does: the recompute rule on every rank; every copy
     identical ("batchnorm"), else the reference's state and losses (rank 0's, and every rank reports
     the same losses). Returns every rank's Result; raises Mismatch, or what a rank raised
     (loopback.Deadlock when the ranks cannot progress)."""
-    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order, memory_format, placement)
+    copies, plans = per_rank(kind, schedule, K, m, D, side, policy, split, shard, order, memory_format, placement,
+                             group_units, grouped)
     results = loopback.run(K * D, _rank, copies, plans, steps, side, clip, optim, semantics=semantics,
                            timeout=timeout)
     chosen = "auto, " * (split is None) + ("split backward" if plans[0].split_backward else "not split")

@@ -87,7 +87,6 @@ def test_a_reader_that_leaves_ends_the_command_quietly():
     (["--host-bandwidth", "0GB/s"], "host bandwidth must be a positive rate"),
     (["--device-tflops", "-1"], "device rate must be positive"),
     (["--state-placement", "ram"], "invalid choice"),
-    (["--state-placement", "host"], "--state-placement host (parameters in host memory too) is not built yet"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
     args = BASE.copy()
@@ -146,6 +145,17 @@ def test_policy_flags(capsys, tmp_path):
     data = json.loads(path.read_text())
     assert data["host_bandwidth"] == 25e9 and data["device"] == "cuda"
     assert all(p["recompute"] and p["offload"] and p["state_placement"] == "host-optimizer" for p in data["policies"])
+
+
+def test_host_placement_shows_the_weight_groups_and_their_transfers(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    assert main(BASE + ["--state-placement", "host", "--optimizer", "adam", "--simulate", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host (1 group)" in out and "swap up/down per step" in out and "--state-placement host:" in out
+    assert "weight transfers and host updates included" in out and "host x2  <- this plan" in out
+    data = json.loads(path.read_text())
+    assert all(p["state_placement"] == "host" and p["weight_groups"] for p in data["policies"])
+    assert len(data["swap_bytes"]) == 2 and all(up > 0 and down > 0 for up, down in data["swap_bytes"])
 
 
 def test_auto_policies_fit_a_budget_the_plain_plan_misses(capsys):

@@ -287,3 +287,42 @@ def test_host_optimizer_on_cuda_trains_like_the_device_and_frees_the_optimizer_s
            adamw_elements_beyond_rtol_1e_4={k: n for k, n in beyond.items() if n})
     assert device["where"] == {"cuda"} and host["where"] == {"cpu"}, (device["where"], host["where"])
     assert saved >= 0.8 * device["state"], f"the device peak dropped by {saved} bytes, the state is {device['state']}"
+
+
+@pytest.mark.parametrize("schedule, K, m, optim, group_units, policy, grouped", [
+    ("gpipe", 2, 4, "adamw", 1, "recompute", True),
+    ("1f1b", 1, 2, "sgd", 2, "offload", False),
+    ("mast", 2, 1, "adamw", 1, "none", False)])
+def test_host_weights_on_cuda_equal_the_host_optimizer_bit_for_bit(schedule, K, m, optim, group_units, policy, grouped):
+    """``--state-placement host`` on cuda:0 (loopback ranks): weights copied in per group on the copy
+    stream, gradients out through pinned buffers, group-major runs where asked. Both host placements
+    update on the host from the same gradients, so the parameters after three steps are bitwise
+    those of host-optimizer, close to the device's, and no device parameter storage remains."""
+    from equivalence import OPTIMIZERS, build, data, make_plan   # noqa: PLC0415 - the CPU harness's pieces
+
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+    def train(placement):
+        plan = make_plan("transparency", schedule, K, m, 1, placement=placement, policy=policy,
+                         group_units=group_units if placement == "host" else 0, grouped=grouped and placement == "host")
+        model = build("transparency")
+        copies, plans = [copy.deepcopy(model) for _ in range(K)], [copy.deepcopy(plan) for _ in range(K)]
+
+        def rank(comm):
+            engine = Engine(copies[comm.rank], plans[comm.rank], OPTIMIZERS[optim], nn.CrossEntropyLoss(), comm=comm,
+                            device=DEVICE)
+            losses = [engine.step(*data(plan.batch_size, s)) for s in range(3)]
+            torch.cuda.synchronize(DEVICE)
+            held = sum(r.weights.device_bytes for r in engine.runners.values() if r.weights is not None)
+            return losses, engine.state_dict(), held
+        return loopback.run(K, rank, timeout=300)
+
+    runs = {p: train(p) for p in ("device", "host-optimizer", "host")}
+    host, optimizer, device = runs["host"][0], runs["host-optimizer"][0], runs["device"][0]
+    worst = max(float((device[1][k] - v).abs().max() / device[1][k].abs().max().clamp_min(1e-12))
+                for k, v in host[1].items() if v.is_floating_point())
+    report(test="host-weights", schedule=schedule, K=K, m=m, optimizer=optim, grouped=grouped,
+           max_relative_difference_to_device=worst)
+    assert host[0] == optimizer[0] and all(torch.equal(v, host[1][k]) for k, v in optimizer[1].items())
+    assert all(r[2] == 0 for r in runs["host"]), [r[2] for r in runs["host"]]
+    assert worst < 1e-3, worst

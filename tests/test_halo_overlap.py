@@ -29,13 +29,13 @@ def test_interior_rows_read_only_the_tile_or_the_padding():
     assert Sliding(3, 1, 1).inner((0, 1), (0, 1), 4) == (0, 0)   # a one-row tile has no interior
 
 
-def _both(kind, grid, size, kernel=3, stride=1, pad=1, dilation=1, channels=2):
+def _both(kind, grid, size, kernel=3, stride=1, pad=1, dilation=1, channels=2, filters=6):
     """A convolution (``kind`` "conv") or max pooling on tiles, with the interior first and with the
     halo first: per rank (largest difference of outputs and gradients, whether the interior ran first)."""
     P = grid[0] * grid[1]
     torch.manual_seed(0)
     x = torch.randn(2, channels, *size, dtype=torch.float64)
-    weight = torch.randn(6, channels, kernel, kernel, dtype=torch.float64)
+    weight = torch.randn(filters, channels, kernel, kernel, dtype=torch.float64)
     size_out = tuple((n + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for n in size)
     geometry = ((kernel, kernel), (stride, stride), (pad, pad), (dilation, dilation))
 
@@ -56,9 +56,16 @@ def _both(kind, grid, size, kernel=3, stride=1, pad=1, dilation=1, channels=2):
             y.backward(torch.arange(y.numel(), dtype=y.dtype).view(y.shape).sin())
             results.append((y.detach(), tile.grad, w.grad))
         worst = max(float((a - b).abs().max()) for a, b in zip(*results))
-        return worst, window._alone(op, found, tiles, tiles.tile(x), weight if kind == "conv" else None) is not None
+        return worst, _splits(op, found, tiles, tiles.tile(x), weight if kind == "conv" else None)
 
     return loopback.run(P, rank, semantics="nccl", timeout=30.0)
+
+
+def _splits(op, found, tiles, x, weight) -> bool:
+    """Whether the window can compute the tile alone while its halo travels."""
+    return window._alone(op, found, tiles) is not None and (
+        window.alone_cheaper(min(x.shape[h.dim] for h in found), None if weight is None else weight.shape[0])
+        or window.worth_alone(window._outputs(x, op), None if weight is None else weight[0].numel()))
 
 
 @pytest.mark.parametrize("kind, kernel, stride, pad, dilation",
@@ -70,6 +77,13 @@ def test_the_interior_first_equals_the_halo_first(kind, kernel, stride, pad, dil
         assert split and worst < 1e-6
 
 
+def test_a_small_tile_of_many_filters_computes_alone_and_takes_its_border_gradients_apart():
+    # 20 rows for 64 filters: the region would cost less forward, but 20x12 outputs per channel against
+    # 2 x 3 x 3 weights per filter make alone worth it; backward: the border's gradients apart cost less
+    for worst, split in _both("conv", (2, 1), (40, 12), filters=64):
+        assert split and worst < 1e-6
+
+
 def test_a_tile_without_interior_waits_for_its_halo():
     # tiles of one row: every output row reads a neighbour's
     for worst, split in _both("conv", (4, 1), (4, 6)):
@@ -77,7 +91,10 @@ def test_a_tile_without_interior_waits_for_its_halo():
 
 
 def test_a_small_tile_of_a_wide_convolution_waits_for_its_halo():
-    # 6x8 outputs per channel against 32 x 3 x 3 weights per filter: the border's convolutions would cost more
-    for worst, split in _both("conv", (2, 1), (12, 8), channels=32):
+    # 6x8 outputs per channel against 32 x 3 x 3 weights per filter, 64 filters on 6 rows: the border's
+    # convolutions would cost more
+    for worst, split in _both("conv", (2, 1), (12, 8), channels=32, filters=64):
         assert not split and worst == 0.0
     assert window.worth_alone(64 * 128, 64 * 9) and not window.worth_alone(8 * 16, 512 * 9)
+    assert window.alone_cheaper(256, 64) and not window.alone_cheaper(64, 256)
+    assert window.border_first(64 * 128, 64 * 9) and not window.border_first(32 * 64, 128 * 9)

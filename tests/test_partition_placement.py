@@ -1,13 +1,22 @@
-"""Where model state lives, priced (gems.partition.placement): host-optimizer takes the optimizer state off
-the device and prices the host copies and the transfers; auto brings back to the device each stage that fits;
-a host budget bounds them; plans carry the placement through JSON."""
+"""Where model state lives, priced (gems.partition.placement, .swapping): host-optimizer takes the optimizer
+state off the device and prices the host copies and the transfers; host keeps the parameters there too, on the
+device per weight group, moved once per visit (grouped: per run of a stage's actions); auto brings back to the
+device each stage that fits, and uses host only where host-optimizer does not fit; a host budget bounds them;
+plans carry the placement through JSON; --calibrate measures the host updates."""
 from __future__ import annotations
 
 import pytest
 
+from torch import nn
+
 from gems.errors import GemsError
-from gems.partition import Plan, plan
+from gems.partition import OPTIMIZER_STATE, Plan, plan, swapping
 from gems.partition.accuracy import toy_model
+from gems.partition.calibrate import host_update_rates
+from gems.partition.swapping import swap_volume
+from gems.schedule import generators as schedules
+from gems.schedule.simulate import Costs, simulate
+from gems.schedule.visits import group_major, visit_counts
 
 SHAPE = (3, 32, 32)
 _PROFILES: dict = {}   # one fake run for every plan here
@@ -51,6 +60,91 @@ def test_auto_keeps_on_the_device_what_fits():
     assert not squeezed.fits and any("--host-memory-budget" in note for note in squeezed.notes)
 
 
-def test_harmony_s_host_placement_is_refused_in_one_sentence():
-    with pytest.raises(GemsError, match="--state-placement host .* is not built yet"):
-        _plan(state_placement="host")
+def _chain(**kw) -> Plan:
+    """Weights over activations: eight 256x256 linear layers (1 MiB of Adam state each), gpipe K = 2."""
+    return plan(nn.Sequential(*(nn.Linear(256, 256) for _ in range(8))), (256,), batch_size=4, stages=2,
+                schedule="gpipe", micro_batches=4, optimizer="adam", model_name="chain", profiles=_CHAIN, **kw)
+
+
+_CHAIN: dict = {}
+
+
+@pytest.fixture
+def small_groups(monkeypatch):
+    """Weight groups of one linear layer each (the floor is 64 MiB for real models)."""
+    monkeypatch.setattr(swapping, "MIN_GROUP_BYTES", 1)
+
+
+def test_host_placement_keeps_the_weights_on_the_host_and_moves_them_per_visit(small_groups):
+    device, host = _chain(balance=[6, 2]), _chain(balance=[6, 2], state_placement="host")
+    assert [p.weight_groups for p in host.policies] == [[[u, u + 1] for u in range(6)], [[6, 7], [7, 8]]]
+    layer = 256 * 257 * 4   # one layer's parameters (= its gradients, = each Adam moment)
+    for d, h, e in zip(device.positions, host.positions, host.stage_estimates):
+        assert d.static_bytes == 4 * layer * len(e.unit_names)
+        assert h.static_bytes == 3 * layer   # one group with its gradients, the next one's weights
+        assert h.peak_bytes == h.static_bytes + h.activation_bytes + h.transient_bytes + h.send_bytes
+        assert e.host_state_bytes == 4 * layer * len(e.unit_names) and e.group_bytes == [layer] * len(e.unit_names)
+        # grouped: one forward run and one backward run of 4 micro-batches each per step
+        assert host.swap_bytes[h.position] == [2 * e.param_bytes, e.grad_bytes]
+    assert host.state_host_bytes == [e.host_state_bytes for e in host.stage_estimates]
+    assert host.swap_grouped   # tiny layers: transfers dominate, so grouped is predicted faster
+    assert any("3.01 MiB up and 1.51 MiB down per step (12.05 MiB and 6.02 MiB once per forward and backward "
+               "action;" in n for n in host.notes)   # 4 micro-batches: 4 times the volume ungrouped
+    assert host.step_seconds > 0 and all(e.host_seconds > 0 for e in host.stage_estimates)
+    again = Plan.from_json(host.to_json())
+    assert again.policies == host.policies and again.swap_bytes == host.swap_bytes
+    assert "host (6 groups)" in host.table() and "swap up/down per step" in host.table()
+    # a frozen layer stays on the device and moves nothing (as BatchNorm's statistics would, but once a step)
+    layers = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+    layers[0].requires_grad_(False)
+    frozen = plan(layers, (256,), batch_size=4, stages=2, schedule="gpipe", micro_batches=4, optimizer="adam",
+                  balance=[6, 2], state_placement="host", profiles={})
+    assert frozen.positions[0].static_bytes == layer + 3 * layer and frozen.policies[0].weight_groups[0] == [0, 2]
+    assert frozen.swap_bytes[0] == [2 * 5 * layer, 5 * layer]
+
+
+def test_grouping_moves_the_weights_once_per_run():
+    lists = schedules.schedule("gpipe", 4, 8)
+    for actions in lists:
+        (stage, (fv, bv)), = visit_counts(actions, grouped=True).items()
+        assert (fv, bv) == (1, 1) and visit_counts(actions, grouped=False)[stage] == (8, 8)
+    weights = {s: (1000, 0) for s in range(4)}
+    for actions in lists:
+        assert 4 * sum(swap_volume(actions, weights, True)) <= sum(swap_volume(actions, weights, False))
+    # group-major (3 groups): every micro-batch through the first group, the middle, then the last, which sends
+    runs = group_major(schedules.schedule("gpipe", 2, 2), {0: 3})[0][:8]
+    assert [(a.op, getattr(a, "part", None)) for a in runs] == [
+        ("forward", 0), ("forward", 0), ("forward", 1), ("forward", 1),
+        ("forward", 2), ("send_act", None), ("forward", 2), ("send_act", None)]
+    # the simulator: transfers cost time; grouped, fewer of them, but a run's outputs leave late (group-major)
+    def step(upload: float, grouped: bool) -> float:
+        return simulate("gpipe", 4, 8, Costs([1.0] * 4, [2.0] * 4, [0] * 4, uploads=[[upload] * 2] * 4,
+                                             download=[upload] * 4, grouped=grouped)).step_time
+    free = simulate("gpipe", 4, 8, Costs([1.0] * 4, [2.0] * 4, [0] * 4)).step_time
+    assert free < step(0.01, False) < step(0.01, True)   # compute-bound: pipelining wins
+    assert step(5.0, True) < step(5.0, False)            # transfer-bound: grouping wins
+
+
+def test_auto_puts_the_weights_on_the_host_only_where_less_does_not_fit(small_groups):
+    host_optimizer = _chain(balance=[6, 2], state_placement="host-optimizer")
+    host = _chain(balance=[6, 2], state_placement="host")
+    budget = (host_optimizer.peak_bytes + host.peak_bytes) // 2
+    auto = _chain(balance=[6, 2], state_placement="auto", memory_budget=budget)
+    # stage 1 (2 layers) fits with its parameters on the device, not with its optimizer state too
+    assert auto.fits and [p.state_placement for p in auto.policies] == ["host", "host-optimizer"]
+    assert auto.step_seconds < host.step_seconds
+    assert any("parameters of stage(s) 0 in host memory too" in n and "optimizer state of stage(s) 1" in n
+               for n in auto.notes)
+    assert auto.swap_bytes[0] == host.swap_bytes[0] and sum(auto.swap_bytes[1]) < sum(host.swap_bytes[1])
+    # where the optimizer's state on the host suffices, auto does as before
+    assert {p.state_placement for p in _chain(balance=[6, 2], state_placement="auto",
+                                              memory_budget=host_optimizer.peak_bytes).policies} != {"host"}
+
+
+def test_calibrate_measures_the_host_updates():
+    rates = host_update_rates(elements=2**16)
+    assert set(rates) == set(OPTIMIZER_STATE) and all(0 < r < 1e-6 for r in rates.values())
+    slow = _plan(state_placement="host-optimizer", host_update={"adam": 1e-6})
+    assert slow.step_seconds > _plan(state_placement="host-optimizer").step_seconds
+    with pytest.raises(GemsError, match="host_update must give adam's seconds per byte"):
+        _plan(state_placement="host-optimizer", host_update={"sgd": 1e-9})

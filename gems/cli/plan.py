@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "is already sustained")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's --device (sustained TFLOP/s of a convolution; host-link bandwidth "
-                        "on CUDA) and plan with the figures instead of the V100 / PCIe 3 defaults")
+                        "on CUDA) and its CPU's optimizer updates (for --state-placement host-optimizer and host), "
+                        "and plan with the figures instead of the V100 / PCIe 3 defaults")
     return p
 
 
@@ -206,10 +207,12 @@ def _speeds(args: argparse.Namespace) -> None:
     from gems.schedule.simulate import EFFICIENCY, V100_FLOPS
 
     rate, efficiency, bandwidth = V100_FLOPS, EFFICIENCY, HOST_BANDWIDTH
+    args.host_update = None   # the planner's constants (gems.partition.placement.HOST_UPDATE)
     if args.calibrate:
         measured = calibrate(args.device, AMP[args.amp] or getattr(torch, args.dtype))
         print(measured.line())
         rate, efficiency, bandwidth = measured.flops_per_second, 1.0, measured.host_bandwidth or bandwidth
+        args.host_update = measured.host_update or None
     args.device_tflops = rate / 1e12 if args.device_tflops is None else args.device_tflops
     args.efficiency = efficiency if args.efficiency is None else args.efficiency
     args.host_bandwidth = bandwidth if args.host_bandwidth is None else args.host_bandwidth
@@ -255,7 +258,7 @@ def _plan(args: argparse.Namespace) -> None:
                    compile=args.compile,
                    leaf_modules=args.leaf_module, split_backward=args.split_backward,
                    shard_optimizer=args.shard_optimizer, state_placement=args.state_placement,
-                   host_memory_budget=args.host_memory_budget,
+                   host_memory_budget=args.host_memory_budget, host_update=args.host_update,
                    profiles={},   # each micro-batch size profiled once
                    spatial=args.spatial, spatial_end=args.spatial_end, spatial_start=args.spatial_start)
     if args.sweep:
@@ -288,14 +291,14 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
-    from gems.partition.placement import slowest_host
     from gems.schedule.simulate import V100_CLUSTER, costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
     lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
              f"network {V100_CLUSTER.intra_bandwidth / 1e9:.0f} GB/s in a node, "
              f"{V100_CLUSTER.bandwidth / 1e9:.1f} GB/s between nodes of {V100_CLUSTER.ranks_per_node}",
-             f"{'schedule':10}{'m':>3}{'step (ms)':>11}{'images/s':>10}{'bubble':>8}{'est. peak':>12}"]
+             f"{'schedule':10}{'m':>3}{'step (ms)':>11}{'images/s':>10}{'bubble':>8}{'est. peak':>12}"
+             "  state placements"]
     for name in ("mp", "gpipe", "1f1b", "mast"):
         m = 1 if name == "mp" else args.micro_batches
         try:
@@ -308,12 +311,13 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
         r = simulate(p.schedule, p.stages, p.micro_batches, costs_from_plan(p, rate, args.efficiency), V100_CLUSTER,
                      p.groups, split=p.split_backward, shard=p.shard_optimizer, order=p.order)
         mark = "  <- this plan" if p is chosen else ""
-        step = r.step_time + (slowest_host(p) if p.state_host_bytes else 0.0)   # host updates after the sync
-        images = r.throughput(p.micro_batch_size) * r.step_time / step
+        step, images = r.step_time, r.throughput(p.micro_batch_size)   # host updates and weight transfers in
+        where = ",".join(f"{w} x{n}" for w, n in _placements(p).items())
         lines.append(f"{name:10}{m:>3}{step * 1e3:>11.1f}{images:>10.2f}"
-                     f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}{mark}")
+                     f"{r.bubble_fraction:>8.1%}{format_size(p.peak_bytes):>12}  {where}{mark}")
     if chosen.state_host_bytes:
-        lines.append("(steps include the host updates and copies back of the stages whose state is in host memory)")
+        lines.append("(steps include the host updates and copies back of the stages whose state is in host memory, "
+                     "and the weight transfers of those whose parameters are)")
     return "\n".join(lines)
 
 
@@ -335,10 +339,11 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
              + (f" (tile groups of {', '.join(map(str, tiled))})" if tiled else "")
              + f", {len(swept.found)} fit{budget}" + (f" ({swept.over} over the budget)" if swept.over else ""),
              f"{'schedule':10}{'K':>3}{'m':>3}{'P':>4}{'D':>4}{'ranks':>7}{'step (ms)':>11}{'images/s':>10}"
-             f"{'est. peak':>12}  policies"]
+             f"{'est. peak':>12}  policies, state placements"]
     for c in swept.found[:12]:
         made = swept.plan_of(c)
         kinds = sorted({pol.kind for pol in made.policies} - {"none"}) + ["split backward"] * made.split_backward
+        kinds += [f"{where} x{n}" for where, n in _placements(made).items() if where != "device"]
         lines.append(f"{c.schedule:10}{c.stages:>3}{c.micro_batches:>3}{c.tiles:>4}{c.groups:>4}"
                      f"{f'{c.ranks}/{world}':>7}{c.step_time * 1e3:>11.1f}{c.images_per_second:>10.2f}"
                      f"{format_size(c.peak_bytes):>12}  {','.join(kinds + _tiled_units(made)) or 'none'}")
@@ -373,6 +378,14 @@ def _layout_flags(plan, train: bool = False) -> list[str]:
         if not train:
             flags += ["--spatial-end", str(plan.spatial_end), "--spatial-start", str(plan.spatial_start)]
     return flags
+
+
+def _placements(plan) -> dict[str, int]:
+    """{state placement: stages with it} of a plan (--state-placement), for the tables of --sweep and --simulate."""
+    counts: dict[str, int] = {}
+    for policy in plan.policies:
+        counts[policy.state_placement] = counts.get(policy.state_placement, 0) + 1
+    return counts
 
 
 def _tiled_units(plan) -> list[str]:

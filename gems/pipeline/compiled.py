@@ -100,6 +100,12 @@ def check(plan, device: torch.device | str) -> None:
     if plan.split_backward:
         raise GemsError("the plan splits the backward, which a compiled unit's backward (one autograd node) "
                         "cannot be: make the plan with --compile (gems-plan --compile) or drop --compile")
+    if any(p.state_placement == "host" for p in plan.policies):
+        # a compiled graph guards on its parameters' storage and lifts them as inputs saved whole for its
+        # one backward node, which the per-group swapping of gems.pipeline.hostweights empties in between
+        raise GemsError("--compile cannot run stages whose parameters live in host memory (--state-placement "
+                        "host), whose device storage is emptied between uses: drop --compile or place the state "
+                        "with --state-placement host-optimizer")
     check_backend(device)
 
 

@@ -10,6 +10,8 @@ map back to the model's own keys) and executes its list of ``schedule(plan.sched
     StageRunner   (stage)     one stage's forward under its memory policy (recompute, offload)
     Messenger     (p2p)       the transfers the action list names, in the pair's wire order
     GradSync      (gradsync)  gradient bucket, BatchNorm statistics, clipping, non-finite skip
+    HostTier      (hostopt)   model state placed in host memory: host copies, the update there
+    HostWeights   (hostweights) a stage's parameters on the host, on the device per unit group
     Executor      (executor)  the action loop
     StageState    (state)     state dicts and optimizer state keyed by the model's names
 
@@ -24,6 +26,7 @@ receives (NCCL's above all) cannot be withdrawn, so there is no sound way to go 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Callable, Iterable
@@ -40,6 +43,7 @@ from gems.pipeline import compiled as compiling
 from gems.pipeline.executor import Executor
 from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
+from gems.pipeline.hostweights import PLACEMENT as WEIGHTS, HostWeights
 from gems.pipeline.loss import LossScores, as_sum_loss, reciprocal
 from gems.pipeline.offload import HostPool
 from gems.pipeline.oom import OutOfMemory, is_out_of_memory
@@ -163,6 +167,10 @@ class Engine:
         self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
         self.grads.host.check(self.optimizer)
         self.grads.keep_grads_in_bucket(self.optimizer)
+        for s, runner in runners.items():   # parameters in host memory, on the device per unit group
+            if policies[s].state_placement == WEIGHTS:
+                runner.weights = HostWeights(runner.module, plan.cuts[s], policies[s].weight_groups, self.grads.host,
+                                             self.device)
         messenger = Messenger(comm, self.topology, mine, self.position, routes, batches.rows_per_micro, self.device,
                               prefetch, self.tile)
         # a member recomputes where its leader does: whether a forward waits is a question of the leader's list
@@ -172,17 +180,25 @@ class Engine:
                              if a.op == sch.FORWARD and a.stage == self.K - 1 and not self.tile]
         self.executor = Executor(self.actions, self.K - 1, runners, waiting, batches, messenger, routes,
                                  self.grads, self.loss_fn, autocast, self.device, self.optimizer, self.tile,
-                                 self._arrive)
+                                 self._arrive, self._grouped(plan, runners))
         if tiles is not None:   # the tile group's halo, gather and statistics waits on the step's timeline
             tiles.timer = self.executor.timer
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
                                  key, extras, self.grads.shard_groups if plan.shard_optimizer else None,
-                                 self.grads.host.parameter)
+                                 self.grads.host.parameter, self.grads.host.values)
         self._routes = routes
         self.compiled: compiling.CompiledUnits | None = None   # the stages compiled and warmed up, or eager
         self._warmed: set[tuple[int, bool]] = set()   # (rows, training) of the variants compiled so far
         if compile:   # warmed up before the first step, or the first forward-only step (gems-predict)
             self.compiled = compiling.CompiledUnits(self.executor.runners, plan)
+
+    def _grouped(self, plan, runners: dict[int, StageRunner]) -> set[int]:
+        """The stages whose runs of consecutive forwards (backwards) go group-major (``Plan.swap_grouped``,
+        ``gems.pipeline.grouping``): those with parameters on the host, but tiled ones (their halo exchanges
+        keep each micro-batch's order) and on a tile group's member."""
+        if not getattr(plan, "swap_grouped", False) or self.tile:
+            return set()
+        return {s for s, r in runners.items() if r.weights is not None and s not in self.topology.tiled_stages}
 
     @property
     def needs_images(self) -> bool:
@@ -343,7 +359,11 @@ class Engine:
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, dict] | None = None,
                    param_groups: list[dict] | None = None) -> None:
         """Load full-model state (from any partition): each rank takes its stages' entries."""
-        self._state.load_state(model, optimizer, param_groups)
+        with contextlib.ExitStack() as resident:   # parameters on the host: loaded through the device, stored back
+            for runner in self.runners.values():
+                if runner.weights is not None:
+                    resident.enter_context(runner.weights.resident())
+            self._state.load_state(model, optimizer, param_groups)
         self.grads.host.refresh()   # the host copies of the parameters (--state-placement host-optimizer)
 
 

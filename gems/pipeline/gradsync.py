@@ -24,7 +24,11 @@ parameters to all -- together one allreduce's traffic.
 A stage placed on the host (``StagePolicy.state_placement == "host-optimizer"``, ``placements``)
 keeps its parameters and its segment on the device, but its segment is copied out to the host
 after the stage's last backward and summed there, and the optimizer updates host copies of the
-parameters, which go back to the device after the step (``gems.pipeline.hostopt``).
+parameters, which go back to the device after the step (``gems.pipeline.hostopt``). A stage placed
+``"host"`` is held so too, but its parameters leave the device (``gems.pipeline.hostweights`` brings
+them back per unit group) and its gradients are added into the host copy as backward makes them: its
+device parameters have no ``.grad`` and its bucket segment holds only the BatchNorm statistics' copy (the
+gradients' offsets lay out the host copy alone).
 
 A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
 gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
@@ -43,6 +47,7 @@ from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.hostopt import PLACEMENT, HostTier
+from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.plan import formats
 from gems.schedule.topology import Topology
 
@@ -58,7 +63,8 @@ class GradSync:
                  parts: dict[int, list[tuple[nn.Module, list[int]]]] | None = None,
                  placements: dict[int, str] | None = None) -> None:
         self.comm, self.topology, self.stages = comm, topology, stages
-        self._on_host = {s for s, where in (placements or {}).items() if where == PLACEMENT}
+        self._on_host = {s for s, where in (placements or {}).items() if where in (PLACEMENT, WEIGHTS)}
+        self._weights_on_host = {s for s, where in (placements or {}).items() if where == WEIGHTS}
         self.host = HostTier(device)   # filled by ``optimized`` with the parts of the stages placed on the host
         self.group, self.position, tile = topology.place(comm.rank)
         self.counts_norm = self.group == 0 and tile == 0   # counts its position's stage in the global norm
@@ -92,7 +98,11 @@ class GradSync:
                             "convert the model to one dtype before training")
         dtype = dtypes.pop() if dtypes else torch.float32
         sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
-        self.bucket = torch.zeros(sum(g + n for g, n in sizes.values()), dtype=dtype, device=device)
+        # a part whose parameters live on the host keeps only its statistics' copy in the bucket: its gradients
+        # are laid out as if there (the host copy's layout) but go to the host as backward makes them
+        self._placed = {k for k in params if k[0] in self._weights_on_host}
+        self.bucket = torch.zeros(sum(n + g * (k not in self._placed) for k, (g, n) in sizes.items()), dtype=dtype,
+                                  device=device)
         # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
         self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
@@ -103,6 +113,16 @@ class GradSync:
         self._part_params = params   # per (stage, part), in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
+            if s in self._placed:   # offsets relative to the part only: its [offset, offset + n_grad) is not its own
+                segment = self.bucket[offset:offset + n_stats]
+                self._segments[s] = (segment, segment[:0], segment, stats[s])
+                at = offset
+                for p in params[s]:
+                    p.grad = None   # autograd makes one per backward (gems.pipeline.hostweights)
+                    self._offsets[id(p)] = at
+                    at += p.numel()
+                offset += n_stats
+                continue
             segment = self.bucket[offset:offset + n_grad + n_stats]
             self._segments[s] = (segment, segment[:n_grad], segment[n_grad:], stats[s])
             for p in params[s]:
@@ -175,7 +195,8 @@ class GradSync:
         their gradients (one copy back per part), copied to the host. Returns the host copy."""
         lo, hi = self._span(params)
         flat = self._flatten(params, lo, hi)
-        return self.host.add(key, self._segments[key][0], flat, params, [self._offsets[id(p)] - lo for p in params])
+        return self.host.add(key, self._segments[key][0], flat, params, [self._offsets[id(p)] - lo for p in params],
+                             key in self._placed)   # positional: tests count the parts by wrapping add
 
     def _lay_out(self, key: tuple[int, int], ordered: list[nn.Parameter]) -> None:
         """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
@@ -183,7 +204,8 @@ class GradSync:
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
         views = {id(p): view for p, view in self._views}
         for p in ordered:
-            views[id(p)] = p.grad = formats.like(self.bucket[offset:offset + p.numel()], p)
+            if key not in self._placed:   # a placed part's gradients are laid out on the host alone
+                views[id(p)] = p.grad = formats.like(self.bucket[offset:offset + p.numel()], p)
             self._offsets[id(p)] = offset
             offset += p.numel()
         self._views = [(p, views[id(p)]) for p, _ in self._views]
@@ -247,6 +269,7 @@ class GradSync:
         """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
         for _, grads, _, _ in self._segments.values():
             grads.zero_()
+        self.host.zero_grads()
 
     def start(self, stage: int) -> None:
         """Start summing ``stage``'s segment over the sync group (its backward is complete here); a

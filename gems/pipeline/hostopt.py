@@ -22,6 +22,13 @@ torch's CPU implementation, which the user's factory builds on the host paramete
 them in place once the step-wide loss (and norm) is known, and ``copy_back`` hands the new values
 to the device parameters before the stage's next forward. The arithmetic is the device's: on CPU
 ranks bitwise the same as ``device``.
+
+A part of a stage placed ``"host"`` (``gems.pipeline.hostweights``: parameters on the host too) is held
+here alike, but the tier keeps no device buffer of its parameters (``HostWeights`` brings them to the
+device per unit group and frees them again), and its gradients reach the host segment as backward makes
+them (``grad_out``: added there micro-batch after micro-batch, in the order the device bucket would add
+them), so ``copy_out`` brings only the BatchNorm statistics and ``zero_grads`` clears the host gradients
+after each step.
 """
 from __future__ import annotations
 
@@ -39,11 +46,27 @@ PLACEMENT = "host-optimizer"
 
 @dataclass
 class _Part:
-    device_params: torch.Tensor   # the part's parameters on the device, one flat buffer laid out as their gradients
+    device_params: torch.Tensor | None   # the part's parameters on the device, one flat buffer laid out as their
+                                         # gradients; None when its weights live on the host (HostWeights)
     host_params: torch.Tensor     # its host copy, which the optimizer updates
     segment: torch.Tensor         # host copy of the device segment: gradients, then statistics
     grads: int                    # elements of gradients in the segment
     copied: object = None         # CUDA: the event after this step's copy out; CPU: True once copied
+
+    @property
+    def weights(self) -> bool:
+        """Whether the part's parameters live on the host (their gradients added here by ``grad_out``)."""
+        return self.device_params is None
+
+
+class _Staged:
+    """CUDA: one parameter's gradient on its way to the host (a pinned buffer, the event after its copy),
+    added into the host gradient before the next one reuses the buffer, or at the sync."""
+
+    __slots__ = ("buffer", "event")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.event = buffer, None
 
 
 class HostTier:
@@ -57,6 +80,8 @@ class HostTier:
         self._host: dict[int, nn.Parameter] = {}   # id(device parameter) -> its host parameter
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []   # (host parameter, its gradient's place)
         self._ids: set[int] = set()   # of the host parameters
+        self._weights: set[int] = set()   # ids of the device parameters whose values live here (placement host)
+        self._staged: dict[int, _Staged] = {}   # CUDA: id(device parameter) -> its gradient's way out
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._parts
@@ -67,37 +92,50 @@ class HostTier:
         return self.pin
 
     def add(self, key: tuple[int, int], segment: torch.Tensor, flat: torch.Tensor, params: list[nn.Parameter],
-            offsets: list[int]) -> torch.Tensor:
+            offsets: list[int], weights: bool = False) -> torch.Tensor:
         """Hold part ``key`` on the host: its device ``segment``, ``flat`` (its parameters' device buffer)
-        and ``params`` at ``offsets`` in both. Returns the host copy of ``flat``."""
+        and ``params`` at ``offsets`` in both; ``weights``: the parameters live on the host too (the tier
+        keeps no hold on ``flat``, whose owner frees it). Returns the host copy of ``flat``."""
         if self.pin and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         host_params = self._allocate(flat)
         host_params.copy_(flat)
-        host_segment = self._allocate(segment)
+        # a part whose weights live here: the device segment holds its statistics only; the host's has its
+        # gradients first, added into (so zeroed), not copied
+        host_segment = self._allocate(segment, flat.numel() if weights else 0)
+        if weights:
+            host_segment[:flat.numel()].zero_()
+        staging = self._allocate(flat) if weights and self.pin else None
         for p, offset in zip(params, offsets):
             host = nn.Parameter(formats.like(host_params[offset:offset + p.numel()], p), p.requires_grad)
             host.grad = formats.like(host_segment[offset:offset + p.numel()], p)
             self._host[id(p)] = host
             self._views.append((host, host.grad))
             self._ids.add(id(host))
-        self._parts[key] = _Part(flat, host_params, host_segment, flat.numel())
+            if weights:
+                self._weights.add(id(p))
+            if staging is not None:
+                self._staged[id(p)] = _Staged(formats.like(staging[offset:offset + p.numel()], p))
+        self._parts[key] = _Part(None if weights else flat, host_params, host_segment, flat.numel())
         return host_params
 
-    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+    def _allocate(self, like: torch.Tensor, more: int = 0) -> torch.Tensor:
+        """Host memory for ``like``'s elements and ``more`` (pinned on CUDA), GemsError when there is none."""
         try:
-            return torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.pin)
+            return torch.empty(like.numel() + more, dtype=like.dtype, pin_memory=self.pin)
         except RuntimeError as error:
-            raise GemsError(f"cannot have {format_size(like.numel() * like.element_size())} of pinned host memory "
-                            f"for the model state that --state-placement {PLACEMENT} keeps there "
+            size = format_size((like.numel() + more) * like.element_size())
+            raise GemsError(f"cannot have {size} of pinned host memory for the model state that --state-placement "
+                            f"{PLACEMENT} (or host) keeps there "
                             f"({' '.join(str(error).split()[:12])}): free host memory, or place that state on the "
                             "device") from None
 
     @property
     def nbytes(self) -> int:
         """Host memory of the copies (the optimizer's state aside)."""
-        return sum(t.numel() * t.element_size() for part in self._parts.values()
-                   for t in (part.host_params, part.segment))
+        return (sum(t.numel() * t.element_size() for part in self._parts.values()
+                    for t in (part.host_params, part.segment))
+                + sum(s.buffer.numel() * s.buffer.element_size() for s in self._staged.values()))
 
     def holds(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the host copies (its optimizer state then lives in host memory too)."""
@@ -106,6 +144,11 @@ class HostTier:
     def parameter(self, p: nn.Parameter) -> nn.Parameter:
         """The parameter the optimizer updates for device parameter ``p``: its host copy, or ``p``."""
         return self._host.get(id(p), p)
+
+    def values(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor holding device parameter ``p``'s values: its host copy where they live on the host
+        (the device's storage is empty between uses), else ``p``."""
+        return self._host[id(p)] if id(p) in self._weights else p
 
     def grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the step reads for ``p`` (after the sync: the sums)."""
@@ -117,17 +160,57 @@ class HostTier:
         return self._views
 
     def copy_out(self, key: tuple[int, int], segment: torch.Tensor) -> None:
-        """Start copying the device ``segment`` of part ``key`` to the host (its backward is done)."""
+        """Start copying the device ``segment`` of part ``key`` to the host (its backward is done); a
+        part whose weights live here has its gradients already: only its statistics go."""
         part = self._parts[key]
+        source, target = segment, part.segment[part.grads:] if part.weights else part.segment   # see ``add``
         if self._stream is None:
-            part.segment.copy_(segment)
+            target.copy_(source)
             part.copied = True
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            part.segment.copy_(segment, non_blocking=True)
+            target.copy_(source, non_blocking=True)
             part.copied = torch.cuda.Event()
             part.copied.record(self._stream)
+
+    @torch.no_grad()
+    def grad_out(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad``, one backward's gradient of device parameter ``p`` (whose values live here), into
+        its host gradient: on CPU at once; on CUDA copied on the copy stream into ``p``'s pinned buffer and
+        added once that copy is done (before the next one, or at the sync: ``ready``). Either way the host
+        adds in the order the device bucket would, so the sums are the device's bit for bit."""
+        host = self._host[id(p)].grad
+        staged = self._staged.get(id(p))
+        if staged is None:
+            host.add_(grad)
+            return
+        self._land(host, staged)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staged.buffer.copy_(grad, non_blocking=True)
+            staged.event = torch.cuda.Event()
+            staged.event.record(self._stream)
+        grad.record_stream(self._stream)   # its memory is not reused before the copy has read it
+
+    @staticmethod
+    def _land(host: torch.Tensor, staged: _Staged) -> None:
+        """CUDA: add a gradient whose copy was started into ``host``, once it has arrived."""
+        if staged.event is not None:
+            staged.event.synchronize()
+            host.add_(staged.buffer)
+            staged.event = None
+
+    def _land_all(self) -> None:
+        for pid, staged in self._staged.items():
+            self._land(self._host[pid].grad, staged)
+
+    @torch.no_grad()
+    def zero_grads(self) -> None:
+        """Clear the host gradients that ``grad_out`` adds into (after every step, applied or not)."""
+        for part in self._parts.values():
+            if part.weights:
+                part.segment[:part.grads].zero_()
 
     def copied(self, key: tuple[int, int]) -> bool:
         """Whether part ``key``'s copy out was started this step."""
@@ -139,6 +222,8 @@ class HostTier:
         if isinstance(part.copied, torch.cuda.Event):
             part.copied.synchronize()
         part.copied = None   # the next step copies anew
+        if part.weights:
+            self._land_all()
         return part.segment, part.segment[:part.grads], part.segment[part.grads:]
 
     def scale(self, factor: float) -> None:
@@ -151,17 +236,20 @@ class HostTier:
         """The updated parameters to the device (before any stage's next forward: the compute stream
         runs the copies first)."""
         for part in self._parts.values():
-            part.device_params.copy_(part.host_params, non_blocking=self.pin)
+            if not part.weights:   # those come to the device group by group (HostWeights)
+                part.device_params.copy_(part.host_params, non_blocking=self.pin)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """The device parameters to the host copies (after loading state into the model)."""
+        """The device parameters to the host copies (after loading state into the model; parameters that
+        live on the host are stored there by ``HostWeights.resident``)."""
         for part in self._parts.values():
-            part.host_params.copy_(part.device_params)
+            if not part.weights:
+                part.host_params.copy_(part.device_params)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         """GemsError for an optimizer without an implementation on the host (one not from torch.optim)."""
         if self._parts and not type(optimizer).__module__.startswith("torch.optim"):
             raise GemsError(f"the optimizer {type(optimizer).__name__} has no host implementation that "
-                            f"--state-placement {PLACEMENT} can run: use one of torch.optim's optimizers, or "
-                            "--state-placement device")
+                            f"--state-placement {PLACEMENT} (or host) can run: use one of torch.optim's optimizers, "
+                            "or --state-placement device")

@@ -9,7 +9,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -109,9 +109,15 @@ class _Offload:
 
     @contextlib.contextmanager
     def saving(self, key: Key, inputs: tuple[torch.Tensor, ...]) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(*self.hooks(key, inputs)):
+            yield
+
+    def hooks(self, key: Key, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, Callable]:
+        """The (pack, unpack) pair of one forward of ``key``: ``saving`` installs it; a stage whose
+        parameters live on the host wraps it in its own (``gems.pipeline.hostweights``)."""
         # Parameters, buffers and the stage's inputs stay on the device anyway: never copied.
         resident = {t.untyped_storage().data_ptr()
-                    for t in (*self.module.parameters(), *self.module.buffers(), *inputs)}
+                    for t in (*self.module.parameters(), *self.module.buffers(), *inputs) if t.numel()}
         saved = self.saved[key] = []
         by_id: dict[int, _Saved] = {}   # a tensor saved by several ops moves once
 
@@ -129,8 +135,7 @@ class _Offload:
             saved.append(item)
             return item
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        return pack, self._unpack
 
     def _to_host(self, t: torch.Tensor, stage: int) -> _Saved:
         nbytes = t.numel() * t.element_size()

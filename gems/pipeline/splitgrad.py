@@ -23,6 +23,7 @@ private to torch's pipeline stages.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -129,8 +130,10 @@ def _accumulate(t: torch.Tensor, grad: torch.Tensor | None) -> None:
         t.grad.add_(grad)
 
 
-def weight_half(pending: Pending) -> None:
-    """Accumulate the parameters' gradients into ``.grad``; frees the graph."""
+def weight_half(pending: Pending, hand_over: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None) -> None:
+    """Accumulate the parameters' gradients into ``.grad``; frees the graph. ``hand_over(p, grad)``:
+    takes a gradient elsewhere instead, returning True (a stage whose parameters live on the host
+    hands each to the host tier: ``gems.pipeline.hostweights``)."""
     if pending.rest and pending.outputs:   # no outputs: nothing of this stage reaches a loss
         torch.autograd.backward(pending.outputs, pending.grads, inputs=pending.rest, retain_graph=bool(pending.groups))
     for node, params in pending.groups:
@@ -141,7 +144,8 @@ def weight_half(pending: Pending) -> None:
         found = torch.autograd.grad(edges, [GradientEdge(_node(p), 0) for p in params],
                                     [g for g in captured if g is not None], retain_graph=True, allow_unused=True)
         for p, grad in zip(params, found):
-            _accumulate(p, grad)
+            if hand_over is None or not hand_over(p, grad):
+                _accumulate(p, grad)
     pending.groups.clear()
     pending.captured.clear()
     pending.outputs.clear()

@@ -77,6 +77,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gems.errors import GemsError
 from gems.graph import INPLACE_INPUTS, writes_inputs
+from gems.pipeline.hostweights import HostWeights
 from gems.pipeline.offload import HostPool, _Offload
 from gems.plan import StagePolicy
 
@@ -130,7 +131,7 @@ class StageRunner:
 
     def __init__(self, module: nn.Sequential, first_unit: int, policy: StagePolicy,
                  device: torch.device, pool: HostPool | None = None) -> None:
-        self.module, self.policy = module, policy
+        self.module, self.policy, self.first_unit = module, policy, first_unit
         self.params = [p for p in module.parameters() if p.requires_grad]   # the split backward's weights
         # positions of the stage's inputs some unit writes in place (gems.graph marks a traced
         # model's units; a plain nn.Sequential's units declare none)
@@ -143,12 +144,15 @@ class StageRunner:
         if pool is None and policy.offload:
             pool = HostPool(pin=device.type == "cuda")
         self.offload = _Offload(module, device, pool) if policy.offload else None
+        # the stage's parameters in host memory, on the device per unit group (policy.state_placement
+        # "host"): set by the engine once the host tier holds them (gems.pipeline.hostweights)
+        self.weights: HostWeights | None = None
 
     def forward(self, inputs: tuple[torch.Tensor, ...], key: Key, waiting: bool) -> tuple[torch.Tensor, ...]:
         """The stage's output for one micro-batch; ``waiting``: whether its backward is not
         the next compute action (``gems.schedule.generators.waiting_forwards``)."""
         offload = self.offload is not None and waiting
-        with self.offload.saving(key, inputs) if offload else contextlib.nullcontext():
+        with self._saving(key, inputs, offload):
             xs = inputs
             for piece in self._pieces[waiting]:
                 if piece.recompute:
@@ -159,6 +163,51 @@ class StageRunner:
         if offload:
             self.offload.keep_on_device(key, xs)
         return xs
+
+    def _saving(self, key: Key, inputs: tuple[torch.Tensor, ...], offload: bool) -> contextlib.AbstractContextManager:
+        """What the forward's saved tensors go through: the host weights' hooks (composed with offload's),
+        offload's alone, or nothing."""
+        if self.weights is not None:
+            return self.weights.saving(self.offload.hooks(key, inputs) if offload else None)
+        return self.offload.saving(key, inputs) if offload else contextlib.nullcontext()
+
+    def group_pieces(self, waiting: bool) -> list[list[Piece]] | None:
+        """A forward's pieces cut at the bounds of the host weights' unit groups, per group (a
+        group-major run, ``gems.pipeline.grouping``, runs them group by group); None when a checkpointed
+        piece spans two groups (its recomputation cannot be cut)."""
+        per_group: list[list[Piece]] = []
+        for lo, hi in self.weights.bounds:
+            cut = []
+            for piece in self._pieces[waiting]:
+                start = piece.first - self.first_unit
+                a, b = max(lo, start), min(hi, start + len(piece.module))
+                if a >= b:
+                    continue
+                if (a, b) == (start, start + len(piece.module)):
+                    cut.append(piece)
+                elif piece.recompute:
+                    return None
+                else:
+                    cut.append(Piece(self.module[a:b], self.first_unit + a, False))
+            per_group.append(cut)
+        return per_group
+
+    def forward_group(self, xs: tuple[torch.Tensor, ...], pieces: list[Piece]) -> tuple[torch.Tensor, ...]:
+        """One group's share of a forward (``group_pieces``): its pieces on ``xs``, saved parameters
+        through the host weights' hooks."""
+        with self.weights.saving():
+            for piece in pieces:
+                if piece.recompute:
+                    xs = checkpoint(piece, *xs, use_reentrant=False, preserve_rng_state=True,
+                                    context_fn=functools.partial(_contexts, piece.module))
+                else:
+                    xs = piece(*xs)
+        return xs
+
+    def finish_backward(self) -> None:
+        """After a backward action (or half) of this stage: its parameters on the host leave the device."""
+        if self.weights is not None:
+            self.weights.finish()
 
     def recomputes(self, waiting: bool) -> bool:
         """Whether a forward (waiting or not) checkpoints any segment of this stage."""

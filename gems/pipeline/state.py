@@ -25,17 +25,20 @@ class StageState:
     def __init__(self, comm, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
                  copy_holder: bool, model_keys: list[str], key: Callable[[str], str] = str,
                  extras: dict[str, torch.Tensor] | None = None, shards=None,
-                 optimized: Callable[[nn.Parameter], torch.Tensor] = lambda p: p) -> None:
+                 optimized: Callable[[nn.Parameter], torch.Tensor] = lambda p: p,
+                 values: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         self.comm, self.stages, self.optimizer = comm, stages, optimizer
         self.copy_holder, self._order = copy_holder, {k: i for i, k in enumerate(model_keys)}
         self.key = key              # a stage's state-dict key -> the model's (gems.graph.GraphUnits)
         self.extras = extras or {}  # model state no unit uses (e.g. an unused head): kept as loaded
         self.shards = shards        # the sync groups sharing the optimizer, in one order (None: this rank's holds all)
         self.optimized = optimized  # a stage's parameter -> the one the optimizer updates (a host copy, or itself)
+        self.values = values        # a stage's tensor -> the one holding its values (a parameter on the host: its copy)
 
     def _own(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """A stage's state, keyed by the model's names (a tensor two units share appears once)."""
-        return {self.key(k): v for k, v in module.state_dict().items()}
+        """A stage's state, keyed by the model's names (a tensor two units share appears once); a
+        parameter living in host memory (its device storage empty between uses) by its host copy."""
+        return {self.key(k): self.values(v).detach() for k, v in module.state_dict(keep_vars=True).items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict (keys as ``model.state_dict()``), on every rank. COLLECTIVE."""

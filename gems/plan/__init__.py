@@ -30,11 +30,11 @@ MEMORY_FORMATS = ("contiguous", "channels_last")
 # Where a stage's model state lives (StagePolicy.state_placement): "device" -- parameters, gradients and
 # optimizer state on the stage's device; "host-optimizer" -- the optimizer's state and its update in host
 # memory, gradients copied out after the stage's last backward and the new parameters copied back
-# (gems.pipeline.hostopt).
-STATE_PLACEMENTS = ("device", "host-optimizer")
+# (gems.pipeline.hostopt); "host" -- parameters in host memory too, on the device per weight group (Harmony).
+STATE_PLACEMENTS = ("device", "host-optimizer", "host")
 # What --state-placement (and partition.plan's state_placement) may ask for: one of those on every stage,
 # "host" (parameters on the host too, Harmony's swapping) or "auto" (the planner chooses per stage).
-PLACEMENT_CHOICES = (*STATE_PLACEMENTS, "host", "auto")
+PLACEMENT_CHOICES = (*STATE_PLACEMENTS, "auto")
 
 
 @dataclass
@@ -113,6 +113,7 @@ class StageEstimate:
     host_state_bytes: int = 0
     swap_bytes: int = 0
     host_seconds: float = 0.0   # per step on each holder: the host update and the parameters' copy back
+    group_bytes: list[int] = field(default_factory=list)   # "host": per weight group, parameter bytes per visit
 
     @property
     def static_bytes(self) -> int:
@@ -194,6 +195,8 @@ class Plan:
     # Per position, host memory that model state placed on the host holds (StageEstimate.host_state_bytes of its
     # stages); not in host_bytes nor in any *_bytes above. Empty when every stage's state is on the device.
     state_host_bytes: list[int] = field(default_factory=list)
+    swap_bytes: list[list[int]] = field(default_factory=list)   # per position, model state [up, down] per step
+    swap_grouped: bool = False   # "host" stages run each run of consecutive forwards (backwards) group-major
     # Module paths or class names traced whole (gems.graph.graph_units): the engine traces the
     # model with them too, so both see the same units.
     leaf_modules: list[str] = field(default_factory=list)
@@ -347,6 +350,7 @@ class Plan:
                 raise GemsError(f"stage {s}'s state placement {policy.state_placement!r} is not one of "
                                 f"{', '.join(STATE_PLACEMENTS)}: fix the plan's policies")
             lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
+            _check_weight_groups(s, policy, lo, hi)
             for seg in policy.recompute:
                 if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and end <= seg[0] < seg[1] <= hi):
                     raise GemsError(f"stage {s} recompute segment {seg} is not an increasing [first, end) unit range "
@@ -371,3 +375,24 @@ def _is_dtype(name: str) -> bool:
     import torch  # noqa: PLC0415 - only plans read from files need it
 
     return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _check_weight_groups(s: int, policy: StagePolicy, lo: int, hi: int) -> None:
+    """GemsError unless stage ``s``'s weight groups (units ``[lo, hi)``) are empty, or, under the "host"
+    placement, ``[first, end)`` unit ranges that cover the stage in order."""
+    groups = policy.weight_groups
+    if not groups:
+        return
+    if policy.state_placement != "host":
+        raise GemsError(f"stage {s} has weight groups {groups} but its state placement is "
+                        f"{policy.state_placement!r}: weight groups need state_placement \"host\", so drop them or "
+                        "place the stage's state on the host")
+    at = lo
+    for group in groups:
+        if not (isinstance(group, (list, tuple)) and len(group) == 2 and group[0] == at and at < group[1] <= hi):
+            raise GemsError(f"stage {s}'s weight groups {groups} do not cover its units [{lo}, {hi}) in order: give "
+                            f"[first, end) ranges, each starting where the last ended, from {lo} to {hi}")
+        at = group[1]
+    if at != hi:
+        raise GemsError(f"stage {s}'s weight groups {groups} do not cover its units [{lo}, {hi}) in order: give "
+                        f"[first, end) ranges, each starting where the last ended, from {lo} to {hi}")

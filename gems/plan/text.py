@@ -27,7 +27,7 @@ def table(plan) -> str:
         _rows(["stage", "units", "first..last unit", "params", "policy"] + ["state"] * placed + ["activations/mb"]
               + ["w/o policy"] * policed + ["between halves/mb"] * plan.split_backward + ["output/mb", "GFLOP/mb"],
               [[str(s.stage), str(s.end_unit - s.first_unit), _span(s.unit_names), format_size(s.param_bytes),
-                policy.label] + [policy.state_placement] * placed + [format_size(s.activation_bytes)]
+                policy.label] + [_placement(policy)] * placed + [format_size(s.activation_bytes)]
                + [format_size(s.plain_activation_bytes)] * policed
                + [format_size(s.split_bytes)] * plan.split_backward
                + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
@@ -35,13 +35,12 @@ def table(plan) -> str:
         "",
         _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
               + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(plan.host_bytes)
-              + ["host (state)", "swap/step"] * placed + ["GFLOP/step"],
+              + ["host (state)", "swap up/down per step"] * placed + ["GFLOP/step"],
               [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
                 format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
                + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
                + ([format_size(plan.host_bytes[p.position])] if plan.host_bytes else [])
-               + ([format_size(plan.state_host_bytes[p.position]),
-                   format_size(sum(plan.stage_estimates[s].swap_bytes for s in p.stages))] if placed else [])
+               + ([format_size(plan.state_host_bytes[p.position]), _swap(plan, p)] if placed else [])
                + [f"{p.flops / 1e9:.1f}"] for p in plan.positions]),
         "",
         f"imbalance (max/mean {plan.balance_by} over positions): {plan.imbalance:.3f}",
@@ -55,6 +54,8 @@ def table(plan) -> str:
         without = f" with the policies, {plan.plain_step_seconds:.3f} s without" if policed else ""
         halos = " but for the tile groups' halos and gathers, inside a node" if plan.spatial_grid else ""
         host = ", host updates and copies back after the sync included" if placed else ""
+        if any(p.state_placement == "host" for p in plan.policies):
+            host = ", weight transfers and host updates included"
         lines.append(f"predicted step {plan.step_seconds:.3f} s{without} (at {plan.flops_per_second / 1e12:.2f} "
                      f"TFLOP/s sustained, network not counted{halos}{host})")
     besides = ""
@@ -112,6 +113,20 @@ def _messages(plan) -> list[str]:
                  f"({format_size(rows * math.prod(shape) * _itemsize(dtype))})" for shape, dtype in tensors]
         lines.append(f"  stage {i} -> stage {j}{' (skip)' * (j > i + 1)}: " + ", ".join(parts))
     return lines
+
+
+def _placement(policy) -> str:
+    """Where a stage's model state lives; under "host", with its weight groups."""
+    groups = len(policy.weight_groups)
+    return f"host ({groups} group{'s' * (groups != 1)})" if policy.state_placement == "host" else policy.state_placement
+
+
+def _swap(plan, position) -> str:
+    """Model state a position moves per step, up / down (older plans: both ways together, per stage)."""
+    if plan.swap_bytes:
+        up, down = plan.swap_bytes[position.position]
+        return f"{format_size(up)} / {format_size(down)}"
+    return format_size(sum(plan.stage_estimates[s].swap_bytes for s in position.stages))
 
 
 def _span(names: list[str]) -> str:

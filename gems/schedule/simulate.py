@@ -15,8 +15,10 @@ lists the engine runs, so there is one source of truth for every schedule:
                          reduce is done, while the members compute on
     sync                 waits for the position's reduces; all ranks of the group finish
                          together, when the last of them is done
-    step                 ``optimizer_time``; with ``shard`` (a sharded optimizer, whose reduces are
-                         reduce-scatters: an allreduce without its allgather half) 1/n of it on
+    step                 ``optimizer_time``, plus the host updates of the stages it holds whose
+                         optimizer runs on the host (``Costs.host_seconds``); with ``shard`` (a
+                         sharded optimizer, whose reduces are reduce-scatters: an allreduce
+                         without its allgather half) 1/n of it on
                          each of a sync group's n ranks, then the parameter exchange: each
                          value crosses once (``Network.allgather_time`` of the position's parameters)
 
@@ -25,6 +27,11 @@ K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble,
     position 0 |F d0.s0|F u0.s1|B u0.s1 ......|B d0.s0 ......|
     position 1 |F u0.s0|F d0.s1|B d0.s1 ......|B u0.s0 ......|
                0       1       2              4              6
+
+A stage whose parameters live in host memory (``--state-placement host``) adds, at the first compute
+action of each visit (``gems.schedule.visits``), its weights' transfer beyond what the visit's compute
+hides (``gems.schedule.visits.transfer_seconds``); grouped (``Costs.grouped``), each run replays group-major
+(``gems.schedule.visits.group_major``).
 
 Timing is a max-plus function of the costs, so a faster network or device never slows a step.
 Groups are identical, so only groups whose point-to-point links differ (a pipeline split
@@ -43,6 +50,7 @@ from dataclasses import dataclass, fields
 from gems.errors import GemsError
 from gems.schedule import generators as sch
 from gems.schedule.topology import Topology
+from gems.schedule.visits import group_major, transfer_seconds
 
 # The default device when nothing was measured (gems-plan --calibrate measures this one instead).
 V100_FLOPS = 15.7e12   # fp32 peak of a V100 SXM2
@@ -66,6 +74,16 @@ class Costs:
     # a split backward's input-gradient share of ``backward`` per stage (None: half; convolutions'
     # input and weight gradients each cost about one forward)
     input_share: list[float] | None = None
+    # a stage whose parameters live in host memory (--state-placement host, gems.partition.swapping): per
+    # weight group, seconds to bring its parameters to the device (empty: a stage on the device), and per
+    # stage seconds to copy its gradients down per backward visit; ``grouped``: a run of a stage's
+    # consecutive forwards (backwards) moves them once (gems.schedule.visits)
+    uploads: list[list[float]] | None = None
+    download: list[float] | None = None
+    grouped: bool = False
+    # seconds each holder spends per step after the sync on a stage whose optimizer runs on the host
+    # (--state-placement host-optimizer, host): the host update, and the parameters' copy back (None: none)
+    host_seconds: list[float] | None = None
 
     def seconds(self, a: sch.Action) -> float:
         """Seconds of one compute action of stage ``a.stage``."""
@@ -79,7 +97,7 @@ class Costs:
     def check(self, K: int) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "edge_bytes" and value is not None and len(value) != K:
+            if f.name not in ("edge_bytes", "grouped") and value is not None and len(value) != K:
                 raise GemsError(f"costs.{f.name} has {len(value)} entries for {K} stages: give one per stage")
 
 
@@ -181,6 +199,12 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
         raise GemsError(f"unknown allreduce {network.allreduce!r}: choose one of {', '.join(ALLREDUCE)}")
     edges = costs.edge_bytes
     lists = sch.schedule(name, K, m, [e for e in edges or () if e[1] > e[0] + 1], split=split, order=order)
+    planned = lists   # what is alive when: the schedule's own order
+    swapped = {s: len(groups) for s, groups in enumerate(costs.uploads or ()) if groups}
+    if swapped and costs.grouped:
+        lists = group_major(lists, swapped)
+    transfers = transfer_seconds(lists, lambda a: costs.seconds(a) * getattr(a, "share", 1.0), costs.uploads,
+                                 costs.download, costs.grouped) if swapped else {}
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network, shard)
@@ -219,13 +243,16 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
             exchange = network.allgather_time(sum(params[s] for s in topo.holds(p)), len(ranks), latency,
                                               network.collective(bandwidth))
             steps[p] = optimizer_time / len(ranks) + exchange
-    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a), send, reduce, sync, steps.__getitem__)
+    for p in range(K) if costs.host_seconds else ():
+        steps[p] += sum(costs.host_seconds[s] for s in topo.holds(p))
+    clock, busy, timeline = _replay(lists, reps, lambda a: costs.seconds(a) * getattr(a, "share", 1.0)
+                                    + transfers.get(a, 0.0), send, reduce, sync, steps.__getitem__)
     static = costs.static_bytes or [0] * K
     return Result(
         schedule=name, stages=K, micro_batches=m, groups=groups,
         step_time=max(clock.values()),
         busy=[busy[(0, p)] for p in range(K)],
-        peak_activation_bytes=[_peak_activations(actions, costs.activation_bytes) for actions in lists],
+        peak_activation_bytes=[_peak_activations(actions, costs.activation_bytes) for actions in planned],
         static_bytes=[sum(static[s] for s in sch.holds(name, K, p)) for p in range(K)],
         timeline=[timeline[(0, p)] for p in range(K)])
 
@@ -357,19 +384,26 @@ def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = 
     recomputation, exposed host copies) are spread over its backward passes, where the
     recomputation and the copies back happen. A spatial part's halo and gather messages
     (``StageEstimate.spatial_seconds``) block its tiled layers: half is added to the forward, half
-    to the backward."""
+    to the backward. A stage whose parameters live in host memory (``StageEstimate.group_bytes``) moves its
+    weight groups and gradients at the plan's ``host_bandwidth`` (``Costs.uploads``)."""
     if device_flops <= 0 or not 0 < efficiency <= 1:
         raise GemsError("the device rate must be positive and the efficiency in (0, 1], e.g. 15.7e12 and 0.4")
     rate = device_flops * efficiency
     stages = plan.stage_estimates
     runs = getattr(plan, "micro_batches", 1) * sch.replicas(getattr(plan, "schedule", "mp"))
+    link = getattr(plan, "host_bandwidth", None) or math.inf
+    uploads = [[b / link for b in getattr(s, "group_bytes", ())] for s in stages]
     return Costs(forward=[s.forward_flops / rate + getattr(s, "spatial_seconds", 0.0) / 2 for s in stages],
                  backward=[s.backward_flops / rate + getattr(s, "extra_seconds", 0.0) / runs
                            + getattr(s, "spatial_seconds", 0.0) / 2 for s in stages],
                  boundary_bytes=[s.output_bytes for s in stages], edge_bytes=edge_bytes(plan),
                  activation_bytes=[s.activation_bytes for s in stages],
                  static_bytes=[s.static_bytes for s in stages],
-                 param_bytes=[s.param_bytes for s in stages])
+                 param_bytes=[s.param_bytes for s in stages],
+                 uploads=uploads if any(uploads) else None,
+                 download=[s.grad_bytes / link if getattr(s, "group_bytes", ()) else 0.0 for s in stages],
+                 host_seconds=[getattr(s, "host_seconds", 0.0) for s in stages],
+                 grouped=getattr(plan, "swap_grouped", False))
 
 
 def edge_bytes(plan) -> dict[tuple[int, int], int] | None:

@@ -124,14 +124,18 @@ def give_back(grad: torch.Tensor, tiles: TileGroup, h: Halo, shape: tuple[int, .
 
 
 def start_return(grad: torch.Tensor, tiles: TileGroup, h: Halo, shape: tuple[int, ...],
-                  layer: str) -> Callable[[], torch.Tensor]:
+                  layer: str, owned: bool = False) -> Callable[[], torch.Tensor]:
     """``give_back`` with its messages posted, not waited for: call the result to wait, add the rows
-    received and get the tile's gradient."""
+    received and get the tile's gradient. ``owned``: ``grad`` is the caller's to change (no
+    autograd node shares it), so where the region holds every row of the tile, the tile's gradient
+    is a view of it, the rows received added in place: no copy."""
     members, me = tiles.line(h.dim)
     owns = parts(h.size, len(members))
     own, want = owns[me], h.needs[me]
     mine = intersect(own, want)
-    if mine is None:
+    if owned and mine == own:
+        gx = narrow_rows(grad, h.dim, own, want[0])
+    elif mine is None:
         gx = formats.empty_as(grad, shape).zero_()
     else:   # the rows the region read, copied; the others (a strided op's last) zero
         gx = formats.empty_as(grad, shape)
@@ -180,5 +184,6 @@ def fetch(x: torch.Tensor, tiles: TileGroup, dim: int, size: int, want, fill: fl
 
 
 def fetch_halo(x: torch.Tensor, tiles: TileGroup, h: Halo) -> torch.Tensor:
-    """``x`` extended by the halo ``h`` (differentiable)."""
-    return _Fetch.apply(x, tiles, h)
+    """``x`` extended by the halo ``h`` (differentiable); ``x`` itself where every member needs
+    exactly its own rows (an axis the grid does not cut: no copy forward or backward)."""
+    return x if h.trivial(tiles) else _Fetch.apply(x, tiles, h)

@@ -23,11 +23,11 @@ import torch
 from torch import fx, nn
 
 from gems.errors import GemsError
-from gems.spatial.geometry import Sliding, halo, parts
+from gems.spatial.geometry import Sliding, halo, parts, window_need
 from gems.spatial.ops import _pair, conv_padding
 from gems.spatial.stage import check_grid, flatten, input_shapes
 from gems.spatial.unit import Unsized, analyse, record_sizes
-from gems.spatial.window import worth_alone
+from gems.spatial.window import alone_cheaper, border_first
 
 HW = tuple[int, int]
 
@@ -46,7 +46,9 @@ class Window:
     dilation: HW
     batch: int
     channels: int
-    kind: str = "conv"     # "conv", "max" or "avg" pooling: how gems.spatial runs it (``copies``)
+    kind: str = "conv"     # "conv", "max" or "avg" pooling
+    filters: int = 0       # a convolution's output channels, and the weights of one of its filters
+    filter_size: int = 0
 
     def halos(self, grid: HW) -> HW:
         """The most rows and columns any tile of this layer's input fetches beyond its own."""
@@ -62,43 +64,56 @@ class Window:
     def copies(self, grid: HW) -> tuple[int, int]:
         """Elements of the copies of its tile this layer holds at once beyond PyTorch's own layer
         (which reads its saved input in place and makes one input gradient) and beyond the halo
-        that ``fetched`` counts twice in backward; (forward, backward). ``gems.spatial.window``
-        joins the tile with each halo in turn (one per split axis): forward holds the joined
-        region while it computes, a tile more; backward rebuilds the regions and cuts the
-        gradient of each from the one above it -- one halo: the region, the region's gradient and
-        the tile's, two tiles more; two: both regions, the outer one's gradient and the inner's,
-        two inner regions and a tile more. Where every tile computes alone while its one halo
-        travels (``alone``), forward joins no region (the border's rows only), nor does a
-        convolution's backward."""
+        that ``fetched`` counts (once in forward, twice in backward); (forward, backward), as
+        ``gems.spatial.window`` runs it. Forward: a tile that computes alone and then its border
+        joins no region (a large tile of few filters, ``alone_cheaper``); any other holds the tile
+        joined with its halo while it computes, a tile more (priced for every other layer, also one that
+        goes alone as ``worth_alone`` allows: a bound). Backward: a convolution
+        that takes its border's gradients apart (``border_first``) joins none; any other rebuilds
+        the regions, one per split axis, and makes the outer region's gradient, each tile's
+        gradient a view of the one above it -- one halo: a tile more; two: the inner region and a
+        tile more -- and where a strided window leaves some of a tile's rows unread, that gradient
+        a copy: an inner region more."""
         (hr, hc), (tr, tc) = self.halos(grid), (math.ceil(self.size_in[0] / grid[0]),
                                                 math.ceil(self.size_in[1] / grid[1]))
         tile = tr * tc
         if not (hr or hc):
             return 0, 0
-        if self.alone(grid):
-            return 0, 0 if self.kind == "conv" else 2 * self.batch * self.channels * tile
+        one = not (hr and hc)
+        alone = one and self.alone(grid)
+        rows = min(t for t, h in zip((tr, tc), (hr, hc)) if h)
+        forward = 0 if alone and alone_cheaper(rows, self.filters or None) else tile
+        if alone and self.kind == "conv" and border_first(tile // (self.stride[0] * self.stride[1]), self.filter_size):
+            return self.batch * self.channels * forward, 0
         inner = (tr + hr) * tc if hr else tr * (tc + hc)   # the region after the first halo
-        backward = 2 * inner + tile if hr and hc else 2 * tile
-        return self.batch * self.channels * tile, self.batch * self.channels * backward
+        backward = tile if one else inner + tile
+        if not self.reads_every_row(grid):
+            backward += inner
+        return self.batch * self.channels * forward, self.batch * self.channels * backward
 
     def alone(self, grid: HW) -> bool:
-        """Whether every tile of ``grid`` computes this layer from its own rows while its halo, along
-        one axis, travels (``gems.spatial.window._alone``: its output rows start where its rows do,
-        some of them read no halo, and the border's convolutions cost less than joining the region:
-        ``worth_alone``, here for a filter of ``channels`` input channels)."""
-        halos = self.halos(grid)
-        if self.kind == "avg" or sum(1 for h in halos if h) != 1:   # average pooling fetches its halo first
-            return False
-        outputs = math.ceil(self.size_out[0] / grid[0]) * math.ceil(self.size_out[1] / grid[1])
-        filter_size = self.channels * self.kernel[0] * self.kernel[1] if self.kind == "conv" else None
-        if not worth_alone(outputs, filter_size):
-            return False
-        a = 0 if halos[0] else 1
-        w = Sliding(self.kernel[a], self.stride[a], self.pad[a], self.dilation[a])
-        for own, out in zip(parts(self.size_in[a], grid[a]), parts(self.size_out[a], grid[a])):
-            inner = w.inner(out, own, self.size_in[a])
-            if not w.alone(out, own) or inner[0] >= inner[1]:
-                return False
+        """Whether every tile of ``grid`` can compute this layer from its own rows, padded as the
+        image is, then its border (``gems.spatial.window._alone``): along each split axis its
+        output rows start where its rows do, and some of them read no halo."""
+        for a in (0, 1):
+            if grid[a] == 1:
+                continue
+            w = Sliding(self.kernel[a], self.stride[a], self.pad[a], self.dilation[a])
+            for own, out in zip(parts(self.size_in[a], grid[a]), parts(self.size_out[a], grid[a])):
+                inner = w.inner(out, own, self.size_in[a])
+                if not w.alone(out, own) or inner[0] >= inner[1]:
+                    return False
+        return True
+
+    def reads_every_row(self, grid: HW) -> bool:
+        """Whether every tile's output reads all of the tile's own rows and columns (a strided
+        window may leave the last ones unread)."""
+        for a in (0, 1):
+            for own, out in zip(parts(self.size_in[a], grid[a]), parts(self.size_out[a], grid[a])):
+                if out[0] < out[1] and grid[a] > 1:
+                    lo, hi = window_need(out, self.kernel[a], self.stride[a], self.pad[a], self.dilation[a])
+                    if lo > own[0] or hi < own[1]:
+                        return False
         return True
 
     def traffic(self, grid: HW) -> int:
@@ -118,6 +133,8 @@ class Reach:
     sizes: list[list[HW]]     # per unit in [first, end): the global (H, W) of its tiled values
     names: list[str]
     first: int = 0            # a suffix's start (its inputs scattered); 0: a prefix from the image
+    weights: tuple[int, ...] = ()   # per unit of the model, elements of its largest trainable parameter
+                                    # (its gradient, and a kernel's copy of it, are whole on every tile)
 
     def end_for(self, grid: HW, end: int | None = None) -> int:
         """The longest prefix, up to ``end`` (default: the reach), whose tiled activations all hold
@@ -136,6 +153,7 @@ class Reach:
 def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: Sequence[int]) -> Reach:
     """How far the units (an image batch of ``image`` = (N, C, H, W) going in) can run on tiles,
     with the windows and tiled sizes of that prefix (module docstring)."""
+    weights = largest_weights(units)
     units = [flatten(unit) for unit in units]   # as the runtime runs them: down to torch.nn's layers
     try:
         shapes, unsized = record_sizes(units, torch.Size(image)), None
@@ -146,19 +164,24 @@ def spatial_limit(units: Sequence[fx.GraphModule], names: Sequence[str], image: 
         if k == len(shapes):
             return Reach(k, f"unit {names[k]} does not run as traced on its own ({unsized.cause}), so it cannot be "
                             f"sized on tiles; end the spatial part at most {k} units in, before it", windows, sizes,
-                         list(names))
+                         list(names), weights=weights)
         found = shapes[k]
         try:
             plan, tiled_in = analyse(unit, names[k], found, tiled_in)
         except GemsError as error:
-            return Reach(k, str(error), windows, sizes, list(names))
+            return Reach(k, str(error), windows, sizes, list(names), weights=weights)
         sizes.append([node.size_out for node in plan.values() if node.tiled] + [tuple(image[2:])])
         windows += [w for n in plan for w in _window(unit, n, k, found)]
         if not any(tiled_in):
             return Reach(k + 1, f"unit {names[k]} leaves no value tiled (it pools the whole image), so nothing after "
                                 f"it is worth tiling; end the spatial part at most {k + 1} units in, after unit "
-                                f"{names[k]}", windows, sizes, list(names))
-    return Reach(len(units), None, windows, sizes, list(names))
+                                f"{names[k]}", windows, sizes, list(names), weights=weights)
+    return Reach(len(units), None, windows, sizes, list(names), weights=weights)
+
+
+def largest_weights(units: Sequence[nn.Module]) -> tuple[int, ...]:
+    """Per unit, the elements of its largest trainable parameter (``Reach.weights``)."""
+    return tuple(max((p.numel() for p in unit.parameters() if p.requires_grad), default=0) for unit in units)
 
 
 def sizes_of(units: Sequence[nn.Module], image: Sequence[int]) -> list[dict]:
@@ -198,7 +221,7 @@ def suffix_limit(units: Sequence[nn.Module], names: Sequence[str], image: Sequen
         windows += [w for n in plan for w in _window(unit, n, start + k, found)]
         if not any(tiled_in) and k < len(tail) - 1:
             return None
-    return Reach(len(units), None, windows, sizes, list(names), start)
+    return Reach(len(units), None, windows, sizes, list(names), start, largest_weights(units))
 
 
 def _window(unit: fx.GraphModule, n: fx.Node, k: int, shapes: dict) -> list[Window]:
@@ -217,4 +240,5 @@ def _window(unit: fx.GraphModule, n: fx.Node, k: int, shapes: dict) -> list[Wind
     else:
         return []
     kind = "conv" if isinstance(m, nn.Conv2d) else "max" if isinstance(m, nn.MaxPool2d) else "avg"
-    return [Window(k, tuple(source[2:]), tuple(shapes[n][2:]), *geometry, source[0], source[1], kind)]
+    filters = (m.out_channels, m.weight[0].numel()) if kind == "conv" else (0, 0)
+    return [Window(k, tuple(source[2:]), tuple(shapes[n][2:]), *geometry, source[0], source[1], kind, *filters)]

@@ -3,25 +3,35 @@ halos it needs (``gems.spatial.halo``) in one autograd function, keeping for bac
 the halo rows it received rather than a joined region (the tile is usually kept anyway by the
 layer before: a ReLU keeps its output).
 
-A window does not wait for its halo before it computes. It posts the halo's messages, runs the
-operation on the tile alone, padded as the layer pads the image -- every output row, the
-*interior* (rows whose windows read only the tile, or the image's padding) right, the *border*
-(rows whose windows reach into a neighbour's) wrong -- and only then waits; the border rows are
-computed again from the halo and the rows next to it and written over::
+A window does not wait for its halo before it computes where it need not. It posts the halo's
+messages, runs the operation on the tile alone, padded as the layer pads the image -- every output
+row, the *interior* (rows whose windows read only the tile, or the image's padding) right, the
+*border* (rows whose windows reach into a neighbour's) wrong -- and only then waits; the border
+rows are computed again from the halo and the rows next to it and written over::
 
       neighbour's rows | tile's rows                                       | neighbour's rows
       halo ~~~~~~~~~~~~|  border | interior: computed while the halo travels | border |~~~~~~~~ halo
 
 So a neighbour up to one tile's computation behind costs no wait, and forward joins no region.
-A convolution's backward does the same the other way (``_border_backward``): the border's
-gradient first, its halo rows sent back at once, then the tile's own gradients from the tile alone.
-Where the tile's rows do not line up with its output rows under the layer's padding (uneven
-tiles of a strided window), or a tile has no interior, the window waits for its halo and runs
-on the joined region; max pooling's backward always does (its indices point into the region).
+Which way costs less work depends on the layer: the joined region is a copy of the tile, the
+border a second convolution of a few rows (a pass over the weights). A large tile of few filters
+computes alone always (``alone_cheaper``); a smaller one alone too where that costs only a little
+more (``worth_alone``), else on the joined region. The choice is the layer's geometry alone, never
+whether a halo has landed yet: the two ways round differently, and a run must compute the same
+values every time (a resume is bit for bit). Where the tile's rows do not line up with its
+output rows under the layer's padding (uneven tiles of a strided window), or a tile has no
+interior, the window waits for its halo and runs on the joined region.
 
-On a 2-D grid the tile starts alone while the rows travel; the columns are joined after (the
-corners come through the row neighbour: ``gems.spatial.halo``). Whichever way each tile
-computes, its messages are the same, in the same order.
+A convolution's backward does the same the other way where that costs less (``border_first``,
+``_border_backward``): the border's gradient first, its halo rows sent back at once, then the
+tile's own gradients from the tile alone. Otherwise -- and for max pooling, whose indices point
+into the region -- it runs on the joined region rebuilt from the tile and the rows received: the
+input's gradient first, its halo rows sent back at once, then the weight's gradient while they
+travel.
+
+On a 2-D grid the rows travel first; the columns are joined after (the corners come through the
+row neighbour: ``gems.spatial.halo``). Whichever way each tile computes, its messages are the
+same, in the same order.
 """
 from __future__ import annotations
 
@@ -38,7 +48,6 @@ from gems.spatial.geometry import intersect, parts
 from gems.spatial.halo import Halo
 from gems.spatial.tiles import TileGroup
 
-
 @dataclass(frozen=True)
 class Conv:
     """F.conv2d on a region, with the padding the region still needs (``padding``)."""
@@ -48,7 +57,6 @@ class Conv:
     dilation: tuple[int, int]
     groups: int
     kept = 0            # tensors of its own it keeps for backward
-    linear = True       # in its input: the gradients of a region's parts add up (``_border_backward``)
 
     def forward(self, region, weight, bias):
         return F.conv2d(region, weight, bias, self.stride, self.padding, self.dilation, self.groups), ()
@@ -71,7 +79,6 @@ class MaxPool:
     padding: tuple[int, int]
     dilation: tuple[int, int]
     kept = 1
-    linear = False
 
     def forward(self, region, weight, bias):
         y, indices = torch.ops.aten.max_pool2d_with_indices(region, self.kernel, self.stride, self.padding,
@@ -98,8 +105,10 @@ class _Window(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, tiles: TileGroup, halos: tuple[Halo, ...], op):
         layer = tiles.layer
-        alone = _alone(op, halos, tiles, x, weight)
+        alone = _alone(op, halos, tiles)
         requests, got = halo.post(x, tiles, halos[0])
+        if alone is not None and not _alone_first(x, weight, op, halos):
+            alone = None
         if alone is not None:   # while the halo travels: every output row, the border's padded where the halo goes
             y, kept = alone.forward(x, weight, bias)
         tiles.wait(requests, "a tile's halo", f"halo {layer}")
@@ -113,20 +122,22 @@ class _Window(torch.autograd.Function):
             y, kept = op.forward(region, weight, bias)
         else:
             kept = _border(y, kept, x, region, got, weight, bias, tiles, halos, op)
-        ctx.args = (tiles, halos, op, [len(r) for r in received], layer, alone)
+        ctx.args = (tiles, halos, op, [len(r) for r in received], layer)
         ctx.save_for_backward(x, weight, *kept, *(t for r in received for t in r))
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        tiles, halos, op, counts, layer, alone = ctx.args
+        tiles, halos, op, counts, layer = ctx.args
         x, weight, *rest = ctx.saved_tensors
         kept, received = rest[:op.kept], rest[op.kept:]
         grad, needs = formats.dense(grad), ctx.needs_input_grad[:3]
-        if alone is not None and op.linear and len(halos) == 1:
-            return *_border_backward(grad, x, weight, received, tiles, halos[0], op, alone, needs, layer), \
-                None, None, None
+        if isinstance(op, Conv) and len(halos) == 1 and border_first(_outputs(x, op), weight[0].numel()):
+            alone = _alone(op, halos, tiles)
+            if alone is not None:
+                return *_border_backward(grad, x, weight, received, tiles, halos[0], op, alone, needs, layer), \
+                    None, None, None
         levels = [x]          # the tile, then each halo's region
         for h, n in zip(halos, counts):
             levels.append(halo.assemble(levels[-1], tiles, h, received[:n]))
@@ -136,13 +147,13 @@ class _Window(torch.autograd.Function):
         # the input's gradient first, its halo rows on their way back while the weight's is computed:
         # a neighbour a little behind costs this tile no wait
         g = op.backward(grad, levels[-1], weight, kept, (True, False, False))[0]
-        returned = halo.start_return(g, tiles, halos[-1], tuple(levels[-2].shape), layer)
+        returned = halo.start_return(g, tiles, halos[-1], tuple(levels[-2].shape), layer, owned=True)
         gw, gb = None, None
         if any(needs[1:]):
             gw, gb = op.backward(grad, levels[-1], weight, kept, (False, *needs[1:]))[1:]
         g = returned()
         for h, below in zip(reversed(halos[:-1]), reversed(levels[:-2])):
-            g = halo.give_back(g, tiles, h, tuple(below.shape), layer)
+            g = halo.start_return(g, tiles, h, tuple(below.shape), layer, owned=True)()
         return g, gw, gb, None, None, None
 
 
@@ -195,14 +206,10 @@ def _border_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return gx, gw, gb
 
 
-def _alone(op, halos: tuple[Halo, ...], tiles: TileGroup, x: torch.Tensor, weight: torch.Tensor | None):
+def _alone(op, halos: tuple[Halo, ...], tiles: TileGroup):
     """``op`` padded along every split axis as the layer pads the image, where that makes this
     tile's every output row from its own rows alone (``Sliding.alone``) and leaves it an interior
-    (rows reading no halo), and where the border's own convolutions cost less than joining the
-    region (``worth_alone``); None otherwise (then the tile waits for its halo before computing)."""
-    if not worth_alone(x.shape[2] * x.shape[3] // (op.stride[0] * op.stride[1]),
-                       None if weight is None else weight[0].numel()):
-        return None
+    (rows reading no halo); None otherwise (then the tile computes on the joined region only)."""
     padding = list(op.padding)
     for h in halos:
         members, me = tiles.line(h.dim)
@@ -216,15 +223,47 @@ def _alone(op, halos: tuple[Halo, ...], tiles: TileGroup, x: torch.Tensor, weigh
     return dataclasses.replace(op, padding=tuple(padding))
 
 
+def _outputs(x: torch.Tensor, op) -> int:
+    """About how many values per channel ``op`` makes of the tile ``x``."""
+    return x.shape[2] * x.shape[3] // (op.stride[0] * op.stride[1])
+
+
+def _alone_first(x: torch.Tensor, weight: torch.Tensor | None, op, halos: tuple[Halo, ...]) -> bool:
+    """Whether the tile computes alone, then its border (rather than on the joined region): where
+    that costs less (``alone_cheaper``), or only a little more (``worth_alone``), so the tile
+    computes while its halo travels."""
+    rows = min(x.shape[h.dim] for h in halos)
+    return (alone_cheaper(rows, None if weight is None else weight.shape[0])
+            or worth_alone(_outputs(x, op), None if weight is None else weight[0].numel()))
+
+
+def alone_cheaper(rows: int, out_channels: int | None) -> bool:
+    """Whether a window computes a tile ``rows`` long along its split axes with less work alone and
+    then its border than on the joined region, for ``out_channels`` filters (None: a pooling, whose
+    border costs next to nothing). The region is a copy of the tile (its input channels x rows x
+    width), the border a convolution of a few rows (input channels x width x filters x its window):
+    on CPU, 3x3 convolutions of 64 filters on tiles of 256 rows cost 17 ms less alone (of 80),
+    of 256 filters on 64 rows 1.4 ms more, of 128 on 32 rows about the same."""
+    return out_channels is None or 2 * rows >= out_channels
+
+
 def worth_alone(outputs: int, filter_size: int | None) -> bool:
-    """Whether a tile of about ``outputs`` values per channel computes alone and then its border,
-    rather than on the joined region, for a window whose one output channel's filter holds
-    ``filter_size`` weights (None: a pooling). The border's convolutions, forward and backward
-    (its weight gradient above all), cost about a pass over the weights each, the joined region a
-    pass over the tile: on CPU, resnet18's 3x3 convolutions on 2x1 tiles at 512^2 ran faster
-    alone on tiles of 64x128 and 32x64 (64 and 128 channels), slower on 16x32 and 8x16 (256, 512;
-    by half in backward)."""
+    """Whether a tile of about ``outputs`` values per channel may compute alone and then its border
+    while its halo travels, rather than wait for it, for a window whose one output channel's filter
+    holds ``filter_size`` weights (None: a pooling): the border's convolution costs about a pass
+    over the weights. On CPU, resnet18's 3x3 convolutions on 2x1 tiles at 512^2 cost 5-15% more
+    alone on tiles of 16x32 and 8x16 (256, 512 channels) than on the joined region."""
     return filter_size is None or outputs >= filter_size
+
+
+def border_first(outputs: int, filter_size: int) -> bool:
+    """Whether a convolution's backward takes the border's gradients apart (``_border_backward``:
+    the border's weight gradient costs a pass over the weights and more) rather than on the
+    joined region (a copy of the tile): on CPU, with ``outputs`` values per channel of the tile and
+    ``filter_size`` weights per filter, the border cost 1-20 ms less at 4 or more times as many
+    outputs (64 channels on 64x128 tiles to 256 on 64x128), 2-26 ms more at 2 times or fewer
+    (128 channels on 32x64, 512 on 32x64)."""
+    return outputs >= 3 * filter_size
 
 
 def _border(y: torch.Tensor, kept: tuple, x: torch.Tensor, region: torch.Tensor | None, got: list[torch.Tensor],

@@ -39,8 +39,9 @@ SPATIAL_HELP = ("split each image of stage 0's first units across P ranks (a num
                 "holding stage 0; world = groups x (stages + (P-1) x those positions)")
 
 PLACEMENT_HELP = ("where each stage's model state lives: device; host-optimizer (the optimizer's state and its update "
-                  "in host memory, gradients copied out and parameters copied back each step); auto (per stage: on "
-                  "the host only where --memory-budget needs it)")
+                  "in host memory, gradients copied out and parameters copied back each step); host (parameters "
+                  "in host memory too, on the device per group of units while they run, gradients leaving as "
+                  "made); auto (per stage: the fastest that fits --memory-budget, device where the state fits)")
 
 HOST_BUDGET_HELP = ("host memory per rank for model state placed there and offloaded activations, e.g. 64GiB "
                     "(default: unbounded)")
