@@ -20,20 +20,9 @@ from gems.schedule import generators as sch
 
 from conftest import DISTRIBUTED, run_mpi
 from equivalence import build, data, make_plan, optimizer, run_loopback
-from test_host_optimizer import _checkpoint
+from test_host_optimizer import RTOL, _checkpoint, _same
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("one_torch_thread")]
-RTOL = {"sgd": 1e-5, "adamw": 1e-4}   # against one process
-
-
-def _same(a, b) -> None:
-    """Bit for bit: every rank's losses, the full state and this rank's copies."""
-    assert [r.losses for r in a] == [r.losses for r in b]
-    for ra, rb in zip(a, b):
-        for key in ra.state:
-            assert torch.equal(ra.state[key], rb.state[key]), key
-        for key in ra.stage_state:
-            assert torch.equal(ra.stage_state[key], rb.stage_state[key]), key
 
 
 # K = 2, D = 2, three steps; pairwise: every schedule with both optimizers, sharded and not, groups of one
@@ -51,17 +40,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule,m,optim,shard,group_units,policy,split", CASES)
-def test_host_equals_device_bit_for_bit(schedule, m, optim, shard, group_units, policy, split):
-    runs = [run_loopback("transparency", schedule, 2, m, 2, steps=3, optim=optim, shard=shard, policy=policy,
-                         split=split, placement=placement, group_units=group_units if placement == "host" else 0,
-                         rtol=RTOL[optim])
-            for placement in ("device", "host")]
-    _same(*runs)
-    assert [r.offloaded for r in runs[0]] == [r.offloaded for r in runs[1]]   # offload moves the same tensors
-    assert all(r.fetched_back for r in runs[1])
-
-
 # group-major runs (Plan.swap_grouped): gpipe's runs of four, 1f1b's warm-up, mast's runs of one; and stages
 # that fall back to one visit per action (a checkpointed segment across groups, offload, split backward)
 GROUPED = [
@@ -75,13 +53,17 @@ GROUPED = [
 ]
 
 
-@pytest.mark.parametrize("schedule,m,optim,shard,group_units,policy,split", GROUPED)
-def test_group_major_runs_equal_device_bit_for_bit(schedule, m, optim, shard, group_units, policy, split):
+@pytest.mark.parametrize("schedule,m,optim,shard,group_units,policy,split,grouped",
+                         [(*case, False) for case in CASES] + [(*case, True) for case in GROUPED])
+def test_host_equals_device_bit_for_bit(schedule, m, optim, shard, group_units, policy, split, grouped):
     runs = [run_loopback("transparency", schedule, 2, m, 2, steps=3, optim=optim, shard=shard, policy=policy,
                          split=split, placement=placement, group_units=group_units if placement == "host" else 0,
-                         grouped=placement == "host", rtol=RTOL[optim])
+                         grouped=grouped and placement == "host", rtol=RTOL[optim])
             for placement in ("device", "host")]
     _same(*runs)
+    if not grouped:
+        assert [r.offloaded for r in runs[0]] == [r.offloaded for r in runs[1]]   # offload moves the same tensors
+        assert all(r.fetched_back for r in runs[1])
 
 
 @pytest.mark.parametrize("schedule,m", [("gpipe", 4), ("mast", 2)])
