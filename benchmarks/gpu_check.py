@@ -14,6 +14,10 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
    sharded optimizer, recompute and offload, each alone and all together (memory measured
    against the estimate for each); a U-Net segmentation under mast with a tile group at each end
    (four ranks).
+   Where model state lives (``placements``): resnet50 2048² AdamW on one rank with its state on the
+   device, host-optimizer and host (the measured saving against the predicted one, the step against
+   device's), host-optimizer sharded under mast, and an AmoebaNet-D trained with host under an
+   enforced budget, its losses against the same plan's on the CPU.
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
 4. The speed recipe on one rank (gems-bench, resnet50 2048² batch 2, K=1): the default (NCHW, fp32
    with TF32 convolutions, eager) and the full recipe (bf16 autocast, channels_last, cuDNN benchmark,
@@ -85,7 +89,7 @@ def launcher() -> str | None:
 def command(name: str) -> list[str]:
     """A gems console script, or ``python -m`` its module where the script is not installed."""
     script = BIN / name
-    module = {"gems-train": "gems.cli.train", "gems-bench": "gems.cli.bench"}[name]
+    module = {"gems-train": "gems.cli.train", "gems-bench": "gems.cli.bench", "gems-plan": "gems.cli.plan"}[name]
     return [str(script)] if script.is_file() else [sys.executable, "-m", module]
 
 
@@ -132,12 +136,16 @@ def gpu_tests(figures_file: Path, timeout: float) -> dict:
 
 
 def train_summary(stdout: str) -> dict:
-    """images/s and per-rank memory from gems-train's summary."""
+    """images/s and per-rank memory from gems-train's summary (with model state in host memory: the
+    device tier's peaks, and the host tier's bytes apart)."""
     found = re.search(r"throughput\s+([\d.]+) images/s", stdout)
-    ranks = re.findall(r"rank (\d+) \(position [^)]*\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated \(([^)]*)\)",
-                       stdout)
-    return {"images_per_s": float(found.group(1)) if found else None,
-            "memory": [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in ranks]}
+    device, _, host = stdout.partition("host memory of model state per rank")
+
+    def ranks(text: str) -> list[dict]:
+        return [{"rank": int(r), "measured": m, "estimated": e, "error": x} for r, m, e, x in re.findall(
+            r"rank (\d+) \(position [^)]*\): ([\d.]+ \w+) measured, ([\d.]+ \w+) estimated \(([^)]*)\)", text)]
+    return {"images_per_s": float(found.group(1)) if found else None, "memory": ranks(device),
+            **({"host_tier": ranks(host)} if host else {})}
 
 
 def bench_figures(bench: dict, bench_json: Path) -> dict:
@@ -151,6 +159,63 @@ def bench_figures(bench: dict, bench_json: Path) -> dict:
                                                 "plan_memory", "efficiency")} for r in result["schedules"].values()]
         bench["recipe"] = result.get("recipe")
     return bench
+
+
+def _bytes(size: str) -> float:
+    """gems' printed size ("7.08 GiB") in bytes."""
+    number, unit = size.split()
+    return float(number) * 1024 ** ("B KiB MiB GiB TiB".split().index(unit))
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line] \
+        if path.exists() else []
+
+
+def placements(mpiexec: str, work: Path, timeout: float, shared: list[str]) -> list[dict]:
+    """Where model state lives (issue 34's GPU expectations). resnet50 2048² batch 2, AdamW, one rank:
+    device, host-optimizer and host, each device-tier peak against its estimate, and host-optimizer's
+    measured saving against the predicted one and its step against device's; host-optimizer sharded
+    under mast on two ranks; an AmoebaNet-D whose state on the device misses an enforced budget trains
+    with host under it, its losses against the same plan's on the CPU."""
+    parts, train = [], command("gems-train")
+    one = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", "--batch-size", "2", "--stages",
+           "1", "--schedule", "mp", "--optimizer", "adamw", "--steps", "4", *shared]
+    found = {}
+    for name in ("device", "host-optimizer", "host"):
+        ran = run([mpiexec, "-n", "1", *train, *one, "--state-placement", name], timeout=timeout)
+        found[name] = {**ran, **train_summary(ran["stdout"])}
+        parts.append({"part": f"gems-train resnet50 2048² b2 AdamW K=1, model state: {name}, one GPU", **found[name]})
+    device, host = found["device"], found["host-optimizer"]
+    if device["memory"] and host["memory"] and device["images_per_s"] and host["images_per_s"]:
+        saved = _bytes(device["memory"][0]["measured"]) - _bytes(host["memory"][0]["measured"])
+        predicted = _bytes(device["memory"][0]["estimated"]) - _bytes(host["memory"][0]["estimated"])
+        parts[1]["saving_measured_over_predicted"] = round(saved / predicted, 3) if predicted else None
+        parts[1]["step_over_device"] = round(device["images_per_s"] / host["images_per_s"], 3)
+    sharded = run([mpiexec, "-n", "2", *train, *LAYOUT, "--schedule", "mast", "--optimizer", "adamw",
+                   "--state-placement", "host-optimizer", "--shard-optimizer", "--steps", "4", *shared],
+                  timeout=timeout)
+    parts.append({"part": "gems-train resnet50 2048² mast K=2 AdamW, host-optimizer sharded, two ranks on one GPU "
+                          "(MPI)", **sharded, **train_summary(sharded["stdout"])})
+    amoeba = ["--model", "amoebanet-d", "--model-arg", "num_filters=256", "--num-classes", "10", "--image-size", "256",
+              "--batch-size", "2", "--stages", "1", "--schedule", "mp", "--optimizer", "adam"]
+    # planned here for CUDA: host fits 1.6 GiB at 1.20 GiB (recompute auto), device needs 1.97 GiB
+    plan_json, budget = work / "amoeba-host.json", "1.6GiB"
+    planned = run([*command("gems-plan"), *amoeba, "--state-placement", "host", "--memory-budget", budget,
+                   "--recompute", "auto", "--json", str(plan_json)], timeout=timeout)
+    steps = ["--plan", str(plan_json), "--steps", "3", "--lr", "0.0001", "--lr-schedule", "constant", *shared]
+    gpu = run([mpiexec, "-n", "1", *train, *amoeba, *steps, "--memory-budget", budget, "--enforce-memory-budget",
+               "--metrics", str(work / "amoeba-gpu.jsonl")], timeout=timeout)
+    cpu = run([mpiexec, "-n", "1", *train, *amoeba, *steps, "--metrics", str(work / "amoeba-cpu.jsonl")],
+              timeout=timeout, env={"CUDA_VISIBLE_DEVICES": ""})
+    losses = {"gpu": _losses(work / "amoeba-gpu.jsonl"), "cpu": _losses(work / "amoeba-cpu.jsonl")}
+    apart = max((abs(g - c) / abs(c) for g, c in zip(losses["gpu"], losses["cpu"])), default=None)
+    parts.append({"part": f"AmoebaNet-D(num_filters=256) 256² b2 Adam, host under an enforced {budget} (gems-plan, "
+                          "then gems-train on the GPU and the same plan on the CPU)", **gpu,
+                  "code": gpu["code"] if planned["code"] == 0 else planned["code"], "plan_stdout": planned["stdout"],
+                  **train_summary(gpu["stdout"]), "losses": losses, "largest_relative_loss_difference": apart,
+                  "cpu_code": cpu["code"]})
+    return parts
 
 
 def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done, wanted=PARTS) -> list[dict]:
@@ -196,17 +261,9 @@ def pipelines(mpiexec: str, gpus: int, work: Path, timeout: float, done, wanted=
                         "--micro-batches", "2", *flags, "--steps", "3", *shared], timeout=timeout)
         add({"part": f"gems-train resnet50 1024² mast K=2 m=2, {name}, two ranks on one GPU (MPI)", **policies,
              **train_summary(policies["stdout"])})
-    # where the model state lives (AdamW: its state is twice the parameters), each against its estimate
-    for name, flags in (("device", []), ("host-optimizer", ["--state-placement", "host-optimizer"]),
-                        ("host-optimizer, sharded", ["--state-placement", "host-optimizer", "--shard-optimizer"]),
-                        ("host (weights per group)", ["--state-placement", "host"])):
-        if "placements" not in wanted:
-            break
-        placed = run([mpiexec, "-n", "2", *command("gems-train"), "--model", "resnet50", "--num-classes", "10",
-                      "--image-size", "1024", "--batch-size", "4", "--stages", "2", "--schedule", "mast",
-                      "--micro-batches", "2", "--optimizer", "adamw", *flags, "--steps", "4", *shared], timeout=timeout)
-        add({"part": f"gems-train resnet50 1024² mast K=2 m=2 AdamW, model state: {name}, two ranks on one GPU (MPI)",
-             **placed, **train_summary(placed["stdout"])})
+    if "placements" in wanted:
+        for part in placements(mpiexec, work, timeout, shared):
+            add(part)
     if "unet" in wanted:
         unet = run([mpiexec, "-n", "4", *command("gems-train"), "--model", "unet", "--task", "segmentation",
                     "--image-size", "1024", "--batch-size", "2", "--stages", "2", "--schedule", "mast", "--spatial",
@@ -237,6 +294,13 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
             off = abs(float(mem["error"].rstrip("%"))) > 10   # the planner's promise: within 10%
             lines.append(f"- rank {mem['rank']}: {mem['measured']} measured, {mem['estimated']} estimated "
                          f"({mem['error']})" + (" **estimate off by more than 10%**" if off else ""))
+        for mem in part.get("host_tier", []):
+            lines.append(f"- rank {mem['rank']} host tier: {mem['measured']} measured, {mem['estimated']} estimated "
+                         f"({mem['error']})")
+        for key in ("saving_measured_over_predicted", "step_over_device", "losses", "largest_relative_loss_difference",
+                    "cpu_code"):
+            if key in part:
+                lines.append(f"- {key.replace('_', ' ')}: {part[key]}")
         if part.get("recipe"):
             lines.append(f"- recipe: {part['recipe']}")
         for r in part.get("runs", []):

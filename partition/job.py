@@ -70,7 +70,7 @@ class Job:
         """The device bytes the weight groups of the ``held`` stages on the host (``host``) take at most."""
         units = self.prof.units
         return resident_bytes([(units[cuts[s]:cuts[s + 1]], weight_groups(units[cuts[s]:cuts[s + 1]], cuts[s]), cuts[s])
-                               for s in held if self.placements[cuts[s]] == SWAPPED])
+                               for s in held if self.placements[cuts[s]] == SWAPPED], self.policies.device == "cuda")
 
     def reserved(self, costs: CostModel, cuts: Sequence[int]) -> int:
         """The most any position needs beside its stages' static memory, activations and working memory:

@@ -14,6 +14,7 @@ from torch import nn
 import gems
 from gems.comm import loopback
 from gems.errors import GemsError
+from gems.obs import trace
 from gems.pipeline import hostopt
 
 from equivalence import adamw, build, data, make_plan, optimizer, run_loopback
@@ -134,3 +135,24 @@ def test_checkpoints_are_the_same_on_either_placement_and_each_resumes_the_other
     after = [_checkpoint(placement, [2], saved)[1] for placement, saved in (("host-optimizer", device),
                                                                             ("device", host))]
     assert all(torch.equal(v, after[1][k]) for k, v in after[0].items())
+
+
+@pytest.mark.parametrize("placement, inside", [
+    ("host-optimizer", {"copy-out", "host-update", "copy-back"}),
+    ("host", {"weights-in", "grads-out", "host-update"})])
+def test_the_host_tier_s_copies_and_update_are_spans_inside_their_actions(placement, inside):
+    """The step's timeline (traces, gems-bench) shows the host tier's work as spans of their own kinds,
+    each inside the action that does it, which the busy time does not count twice."""
+    plan = make_plan("transparency", "mp", 1, 1, 1, placement=placement)
+
+    def rank(comm):
+        engine = _engine(comm, copy.deepcopy(plan))
+        engine.step(*data(plan.batch_size, 0))
+        return engine.timeline()
+    spans = loopback.run(1, rank, timeout=20)[0]
+    mine = [(label, a, b) for label, a, b in spans if label.split(" ", 1)[0] in inside]
+    assert {label.split(" ", 1)[0] for label, _, _ in mine} == inside, spans
+    assert {trace.kind(label) for label, _, _ in mine} <= {"host copy", "host update"}
+    actions = [(a, b) for label, a, b in spans if trace.kind(label) not in trace.INSIDE]
+    assert all(any(a0 <= a and b <= b0 for a0, b0 in actions) for _, a, b in mine), spans
+    assert trace.busy_seconds(spans) == trace.busy_seconds([s for s in spans if s not in mine])

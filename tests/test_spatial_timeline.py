@@ -4,7 +4,6 @@ gather wait a span labelled with its kind and layer, forward and backward, which
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -12,23 +11,11 @@ import torch
 from gems.comm import loopback
 from gems.graph import graph_units
 from gems.obs import trace
+from gems.pipeline.timing import ActionTimer
 from gems.spatial import TileGroup, flatten, tile_stage
 from spatial_models import BatchNormNet
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Timer:
-    """What the engine's ActionTimer offers a tile group: now() and span()."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, float, float]] = []
-
-    def now(self) -> float:
-        return time.perf_counter()
-
-    def span(self, label: str, start: float, end: float) -> None:
-        self.spans.append((label, start, end))
 
 
 def test_halo_statistics_and_gather_waits_are_spans_named_by_layer():
@@ -42,12 +29,14 @@ def test_halo_statistics_and_gather_waits_are_spans_named_by_layer():
 
     def rank(comm):
         u = copies[comm.rank]
-        tiles = TileGroup(comm, [0, 1], (2, 1), comm.rank, comm.group([0, 1]), timer=Timer())
+        timer = ActionTimer(torch.device("cpu"))
+        timer.begin_step()
+        tiles = TileGroup(comm, [0, 1], (2, 1), comm.rank, comm.group([0, 1]), timer=timer)
         end = u.unit_names.index("adaptive_avg_pool2d")   # the last tiled unit's output gathered on the leader
         stage = tile_stage(u[0:len(u)], 0, end, u.unit_names, tiles, x.shape)
         out = stage(tiles.tile(x))
         torch.autograd.backward(out.sum() if tiles.leader else list(out))
-        return tiles.timer.spans
+        return timer.timeline()
 
     for spans in loopback.run(2, rank, semantics="nccl", timeout=30.0):
         labels = {label for label, _, _ in spans}

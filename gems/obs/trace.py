@@ -39,9 +39,15 @@ KINDS = {sch.FORWARD: "forward", sch.BACKWARD: "backward", sch.BACKWARD_INPUT: "
 TILE_KINDS = {"halo": "halo wait", "stats": "statistics wait", "sum": "statistics wait", "gather": "gather wait",
               "scatter": "gather wait"}
 KINDS.update({f"{word}{grad}": k for word, k in TILE_KINDS.items() for grad in ("", "-grad")})
+# The host tier's work (--state-placement; gems.pipeline.hostopt.HostTier.timer), inside the action that
+# does it: "copy-out s1", "copy-back", "weights-in g2", "grads-out", "host-update" -- drawn over it too.
+HOST_KINDS = {"copy-out": "host copy", "copy-back": "host copy", "weights-in": "host copy", "grads-out": "host copy",
+              "host-update": "host update"}
+KINDS.update(HOST_KINDS)
+INSIDE = set(TILE_KINDS.values()) | set(HOST_KINDS.values())   # kinds of spans inside an action's
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "recv wait": "#c44e52", "send": "#8c8c8c",
            "sync": "#8172b2", "optimizer": "#ccb974", "halo wait": "#dd8452", "statistics wait": "#da8bc3",
-           "gather wait": "#937860"}
+           "gather wait": "#937860", "host copy": "#64b5cd", "host update": "#e5ae38"}
 _LABEL = re.compile(r"^(?P<op>\w+) (?P<replica>[du])(?P<micro>\d+)\.s(?P<stage>\d+)(?:[<>]s(?P<other>\d+))?"
                     r"(?: @(?P<peer>\d+))?$")
 
@@ -65,7 +71,8 @@ def parse(label: str) -> dict:
 
 def kind(label: str) -> str:
     """What the action is, for colours and sums: forward, backward, recv wait, send, sync, optimizer;
-    or a tile group's wait inside one: halo wait, statistics wait, gather wait."""
+    or work inside one: a tile group's halo wait, statistics wait, gather wait; the host tier's host
+    copy, host update."""
     return KINDS.get(label.split(" ", 1)[0], "other")
 
 
@@ -213,8 +220,7 @@ def draw_timelines(ax, ranks: list[RankTimeline], heading: str = "") -> None:
     origin = _origin(ranks)
     spans = [(r, (s.started - origin) + a, (s.started - origin) + b, label)
              for r in ranks for s in r.steps for label, a, b in s.spans]
-    tile_waits = set(TILE_KINDS.values())
-    spans.sort(key=lambda span: kind(span[3]) in tile_waits)   # over the action they wait in
+    spans.sort(key=lambda span: kind(span[3]) in INSIDE)   # over the action they are part of
     first = min((a for _, a, _, _ in spans), default=0.0)
     last = max((b for _, _, b, _ in spans), default=1.0)
     width = max(last - first, 1e-9)

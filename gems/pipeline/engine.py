@@ -183,6 +183,7 @@ class Engine:
                                  self._arrive, self._grouped(plan, runners))
         if tiles is not None:   # the tile group's halo, gather and statistics waits on the step's timeline
             tiles.timer = self.executor.timer
+        self.grads.host.timer = self.executor.timer   # the host tier's copies and update, likewise
         self._state = StageState(comm, self.stages, self.optimizer, self.group == 0 and not self.tile, model_keys,
                                  key, extras, self.grads.shard_groups if plan.shard_optimizer else None,
                                  self.grads.host.parameter, self.grads.host.values)

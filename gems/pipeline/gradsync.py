@@ -374,7 +374,8 @@ class GradSync:
                         if key not in self.host:
                             grads.mul_(scale)
                     self.host.scale(scale)
-            optimizer.step()
+            with self.host.updating():
+                optimizer.step()
             if not self.sharded:   # sharded: after the exchange (``share``)
                 self.host.copy_back()
             for _, norms in self.batch_norms:

@@ -32,6 +32,7 @@ after each step.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,16 @@ class HostTier:
         self._ids: set[int] = set()   # of the host parameters
         self._weights: set[int] = set()   # ids of the device parameters whose values live here (placement host)
         self._staged: dict[int, _Staged] = {}   # CUDA: id(device parameter) -> its gradient's way out
+        self.timer = None   # the engine's ActionTimer: copies and the update as spans inside their action
+
+    def timed(self, label: str):
+        """The body a span ``label`` on the step's timeline ("copy-out s1", "host-update"; nothing
+        without a timer). On CUDA it times the issuing of asynchronous copies, on the compute stream."""
+        return nullcontext() if self.timer is None else self.timer.timed(label)
+
+    def updating(self):
+        """Around the optimizer's step: a span "host-update" where parts are held here."""
+        return self.timed("host-update") if self._parts else nullcontext()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._parts
@@ -164,15 +175,16 @@ class HostTier:
         part whose weights live here has its gradients already: only its statistics go."""
         part = self._parts[key]
         source, target = segment, part.segment[part.grads:] if part.weights else part.segment   # see ``add``
-        if self._stream is None:
-            target.copy_(source)
-            part.copied = True
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            target.copy_(source, non_blocking=True)
-            part.copied = torch.cuda.Event()
-            part.copied.record(self._stream)
+        with self.timed(f"copy-out s{key[0]}"):
+            if self._stream is None:
+                target.copy_(source)
+                part.copied = True
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                target.copy_(source, non_blocking=True)
+                part.copied = torch.cuda.Event()
+                part.copied.record(self._stream)
 
     @torch.no_grad()
     def grad_out(self, p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -235,9 +247,12 @@ class HostTier:
     def copy_back(self) -> None:
         """The updated parameters to the device (before any stage's next forward: the compute stream
         runs the copies first)."""
-        for part in self._parts.values():
-            if not part.weights:   # those come to the device group by group (HostWeights)
-                part.device_params.copy_(part.host_params, non_blocking=self.pin)
+        if not self._parts:
+            return
+        with self.timed("copy-back"):
+            for part in self._parts.values():
+                if not part.weights:   # those come to the device group by group (HostWeights)
+                    part.device_params.copy_(part.host_params, non_blocking=self.pin)
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -164,6 +164,10 @@ class HostWeights:
         """Copy ``group`` into a new device buffer and make its parameters views of it. CUDA: on the copy
         stream, after the compute stream's work so far; ``wait``: the compute stream waits for the copy
         now, else at the group's ``_load`` (``arriving``)."""
+        with self.tier.timed(f"weights-in g{group.index}"):
+            self._copy_in(group, wait)
+
+    def _copy_in(self, group: _Group, wait: bool) -> None:
         buffer = torch.empty(group.numel, dtype=group.hosts[0].dtype, device=self.device)
         views, offset = [], 0
         for h in group.hosts:
@@ -219,7 +223,8 @@ class HostWeights:
             self._free(group)
 
     def _give(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self.tier.grad_out(p, grad)
+        with self.tier.timed("grads-out"):
+            self.tier.grad_out(p, grad)
         self.bytes_out += grad.numel() * grad.element_size()
 
     # -- what the stage runner and the executor call -------------------------------------------

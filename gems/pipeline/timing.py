@@ -9,6 +9,7 @@ clock (``time.time()``), to line ranks up in a trace.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +35,16 @@ class ActionTimer:
 
     def span(self, label: str, start, end) -> None:
         self._spans.append((label, start, end))
+
+    @contextmanager
+    def timed(self, label: str):
+        """The body a span ``label`` (work inside an action: a tile group's waits, the host tier's
+        copies and update, drawn over it)."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.span(label, start, self.now())
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """[(label, start s, end s)] of the last step, from its start."""

@@ -14,7 +14,7 @@ in posting order; they travel with one tag, ``TILE_TAG``, apart from the pipelin
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,7 @@ class TileGroup:
     grid: tuple[int, int]
     index: int
     group: object = field(default=None, repr=False)
-    # the engine's timer (``now()``, ``span(label, start, end)``): every wait of the group's exchanges
+    # the engine's timer (``timed(label)``): every wait of the group's exchanges
     # a span on the step's timeline, labelled with what it waits for and the layer (``layer``,
     # set by ``gems.spatial.unit`` as each layer runs); None: nothing recorded
     timer: object = field(default=None, repr=False)
@@ -98,17 +98,9 @@ class TileGroup:
             for req in requests:
                 self.comm.wait(req, what, self.backoff)
 
-    @contextmanager
     def timed(self, label: str):
         """The body a span ``label`` on the timer's timeline (nothing without a timer)."""
-        if self.timer is None:
-            yield
-            return
-        start = self.timer.now()
-        try:
-            yield
-        finally:
-            self.timer.span(label, start, self.timer.now())
+        return nullcontext() if self.timer is None else self.timer.timed(label)
 
     @property
     def backoff(self):

@@ -26,6 +26,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gems.errors import GemsError
+from gems.graph.trace import TRACING
 from gems.spatial import ops
 
 POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh,
@@ -66,7 +67,9 @@ def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size,
                  before: Sequence[nn.Module] = ()) -> list[dict[fx.Node, tuple]]:
     """Per unit, the global shape of every tensor value of its graph, from a fake pass of the
     units in order from an image batch of ``image`` shape, after the units ``before`` them (run
-    as they are; eval mode: nothing is updated). ``Unsized`` where a unit's graph fails."""
+    as they are; eval mode: nothing is updated). ``Unsized`` where a unit's graph fails. Under the
+    tracing lock: while fx traces, it sends every module call of the process through its tracer,
+    so ranks run as threads (the loopback) must not run modules here meanwhile."""
     found: list[dict[fx.Node, tuple]] = []
     modes = [(m, m.training) for u in [*before, *units] for m in u.modules()]
     try:
@@ -74,7 +77,7 @@ def record_sizes(units: Sequence[fx.GraphModule], image: torch.Size,
             u.eval()
         # the units' own device: a model built on the meta device (the planner's) is sized there
         device = next((p.device for u in units for p in u.parameters()), torch.device("cpu"))
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with TRACING, FakeTensorMode(allow_non_fake_inputs=True) as mode:
             x = mode.from_tensor(torch.empty(image, device=device))
             for u in before:
                 x = u(x)
