@@ -188,7 +188,8 @@ def one_torch_thread():
 # sum of their tests' durations in `make test` (--durations=0, 2026-11-27):
 LONGEST_FILES = ("test_spatial_engine.py", "test_equivalence.py", "test_tasks.py", "test_compile.py", "test_train.py",
                  "test_out_of_core.py", "test_comm.py", "test_partition_spatial.py", "test_any_model.py",
-                 "test_engine.py", "test_cli_plan.py", "test_spatial.py", "test_oom.py", "test_bench.py",
+                 "test_engine.py", "test_host_weights.py", "test_cli_plan.py", "test_spatial.py", "test_oom.py",
+                 "test_spatial_memory.py", "test_bench.py",
                  "test_launchers.py", "test_wheel.py", "test_checkpoint_safety.py", "test_handshake.py",
                  "test_batchnorm.py", "test_fuzz.py", "test_split_backward.py", "test_trace.py")
 
