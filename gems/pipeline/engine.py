@@ -39,7 +39,7 @@ from gems.errors import GemsError
 from gems.graph import GraphUnits, check_tied, graph_units
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
-from gems.pipeline import compiled as compiling
+from gems.pipeline import compiled as compiling, examples
 from gems.pipeline.executor import Executor
 from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
@@ -292,7 +292,7 @@ class Engine:
         unless that variant ran already; after the first, rank 0 prints what compiled. COLLECTIVE."""
         if (rows, training) in self._warmed:
             return
-        self.compiled.warm_up(lambda s: compiling.example_inputs(self.plan, self._routes, s, rows, self.device,
+        self.compiled.warm_up(lambda s: examples.example_inputs(self.plan, self._routes, s, rows, self.device,
                                                                  self._arrive), rows, self.device, self.autocast,
                               training)
         if not self._warmed:
