@@ -107,8 +107,6 @@ class Executor:
             self._prefetch_before(i)
             self._run[a.op](a)
             timer.span(str(a), start, now())
-            if a.op in ir.COMPUTE:   # sends done meanwhile free their packed buffers now, not at the step's end
-                self.messenger.progress()
             i += 1
         a = self.actions[-1]
         if a.op == ir.STEP and self.applied and self.grads.sharded:   # the step's last action
