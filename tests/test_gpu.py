@@ -9,6 +9,7 @@ that gpu_check.py can put them in its report.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -44,6 +45,29 @@ def report(**figures) -> None:
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+@contextlib.contextmanager
+def exact_convolutions():
+    """cuDNN's convolutions in float32, not TF32: runs that compare parameters use the same precision."""
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def timed_steps(engine: Engine, images: torch.Tensor, labels: torch.Tensor, n: int) -> list[float]:
+    """Seconds of each of ``n`` steps, the device synchronized around each."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize(DEVICE)
+        start = time.perf_counter()
+        engine.step(images, labels)
+        torch.cuda.synchronize(DEVICE)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def batch(size: int, side: int, classes: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,19 +209,11 @@ def test_offload_gives_the_same_gradients_and_hides_its_copies():
     def train(comm, plan):
         fresh = copy.deepcopy(model)
         engine = engine_for(comm, fresh, plan)
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize(DEVICE)
-            start = time.perf_counter()
-            engine.step(images, labels)
-            torch.cuda.synchronize(DEVICE)
-            times.append(time.perf_counter() - start)
+        times = timed_steps(engine, images, labels, 6)
         moved = sum(r.offload.bytes for r in engine.runners.values() if r.offload is not None)
         return sorted(times[1:])[2], moved, {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
 
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
+    with exact_convolutions():
         t_none, _, plain = one_rank(train, base)
         t_async, moved, offloaded = one_rank(train, offload)
         os.environ["GEMS_OFFLOAD_WAIT"] = "1"
@@ -205,8 +221,6 @@ def test_offload_gives_the_same_gradients_and_hides_its_copies():
             t_wait, _, _ = one_rank(train, offload)
         finally:
             del os.environ["GEMS_OFFLOAD_WAIT"]
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
     for key in plain:
         torch.testing.assert_close(offloaded[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
     hidden = (t_wait - t_async) / max(t_wait - t_none, 1e-9)
@@ -254,26 +268,16 @@ def test_host_optimizer_on_cuda_trains_like_the_device_and_frees_the_optimizer_s
         engine.step(images, labels)
         meter = PeakMeter(DEVICE)
         meter.start()
-        times = []
-        for _ in range(2):
-            torch.cuda.synchronize(DEVICE)
-            start = time.perf_counter()
-            engine.step(images, labels)
-            torch.cuda.synchronize(DEVICE)
-            times.append(time.perf_counter() - start)
+        times = timed_steps(engine, images, labels, 2)
         peak = meter.stop() - base
         state = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
         return dict(peak=peak, step=min(times), where={t.device.type for t in state},
                     state=sum(t.numel() * t.element_size() for t in state),
                     params={k: v.detach().cpu() for k, v in fresh.state_dict().items()})
 
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
+    with exact_convolutions():
         runs = {(placement, optimizer): one_rank(train, placement, optimizer)
                 for optimizer in factories for placement in ("device", "host-optimizer")}
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
     for key, value in runs[("device", "sgd")]["params"].items():
         torch.testing.assert_close(runs[("host-optimizer", "sgd")]["params"][key], value, rtol=1e-5, atol=1e-6,
                                    msg=key)

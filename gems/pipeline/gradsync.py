@@ -284,12 +284,16 @@ class GradSync:
                 later = not self._overlap or (key in self.host and self.host.asynchronous)
                 self._reduces.append((key, None if later else self._issue(key)))
 
-    def _copy_out(self, key: tuple[int, int]) -> None:
-        """Part ``key``'s segment, its statistics gathered into it, on its way to the host."""
-        segment, _, copy, buffers = self._segments[key]
+    def _gather_statistics(self, key: tuple[int, int]) -> None:
+        """Part ``key``'s BatchNorm statistics into its segment's copy of them, to be summed with it."""
+        _, _, copy, buffers = self._segments[key]
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
-        self.host.copy_out(key, segment)
+
+    def _copy_out(self, key: tuple[int, int]) -> None:
+        """Part ``key``'s segment, its statistics gathered into it, on its way to the host."""
+        self._gather_statistics(key)
+        self.host.copy_out(key, self._segments[key][0])
 
     def _summed(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """Part ``key``'s (segment, gradients, statistics' copy, statistics buffers) where it is summed:
@@ -299,9 +303,8 @@ class GradSync:
         return self._segments[key]
 
     def _issue(self, key: tuple[int, int]):
-        if key not in self.host and self._segments[key][3]:
-            segment, _, copy, buffers = self._segments[key]
-            torch.cat([b.reshape(-1) for b in buffers], out=copy)
+        if key not in self.host:   # a part on the host gathered its statistics as it was copied out
+            self._gather_statistics(key)
         segment, grads, copy, buffers = self._summed(key)
         group = self._parts[key][1]
         if key not in self._runs:

@@ -153,13 +153,7 @@ class StageRunner:
         the next compute action (``gems.schedule.generators.waiting_forwards``)."""
         offload = self.offload is not None and waiting
         with self._saving(key, inputs, offload):
-            xs = inputs
-            for piece in self._pieces[waiting]:
-                if piece.recompute:
-                    xs = checkpoint(piece, *xs, use_reentrant=False, preserve_rng_state=True,
-                                    context_fn=functools.partial(_contexts, piece.module))
-                else:
-                    xs = piece(*xs)
+            xs = _run_pieces(inputs, self._pieces[waiting])
         if offload:
             self.offload.keep_on_device(key, xs)
         return xs
@@ -196,13 +190,7 @@ class StageRunner:
         """One group's share of a forward (``group_pieces``): its pieces on ``xs``, saved parameters
         through the host weights' hooks."""
         with self.weights.saving():
-            for piece in pieces:
-                if piece.recompute:
-                    xs = checkpoint(piece, *xs, use_reentrant=False, preserve_rng_state=True,
-                                    context_fn=functools.partial(_contexts, piece.module))
-                else:
-                    xs = piece(*xs)
-        return xs
+            return _run_pieces(xs, pieces)
 
     def finish_backward(self) -> None:
         """After a backward action (or half) of this stage: its parameters on the host leave the device."""
@@ -264,6 +252,16 @@ def _pieces(module: nn.Sequential, first_unit: int, segments: list[list[int]],
         pieces.append(piece(at, len(module), False))
     return pieces
 
+
+def _run_pieces(xs: tuple[torch.Tensor, ...], pieces: list[Piece]) -> tuple[torch.Tensor, ...]:
+    """``pieces`` in turn on ``xs``, a recomputed one under checkpoint (non-reentrant)."""
+    for piece in pieces:
+        if piece.recompute:
+            xs = checkpoint(piece, *xs, use_reentrant=False, preserve_rng_state=True,
+                            context_fn=functools.partial(_contexts, piece.module))
+        else:
+            xs = piece(*xs)
+    return xs
 
 def _first_unit(piece: nn.Sequential) -> nn.Module:
     """The unit a piece starts with (a tiled unit's graph: ``gems.spatial``'s TiledUnit runs ``flat``)."""
