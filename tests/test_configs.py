@@ -111,3 +111,10 @@ def test_a_plan_file_gives_its_layout_beneath_the_config_file_and_the_flags(tmp_
     assert all(line in layered for line in ("stages = 2\n", "batch_size = 8\n", "micro_batches = 4\n")), layered
     assert exit_status(gems_train.main, ["--plan", tmp_path / "missing.json", "--print-config"]) == 2
     assert "cannot read plan file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--plan", "--config"])
+def test_a_file_flag_without_its_file_is_one_line_and_exit_2(flag, capsys):
+    assert exit_status(gems_train.main, ["--model", "resnet18", flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {flag}: expected one argument" in err, err

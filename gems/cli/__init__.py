@@ -45,10 +45,13 @@ class _ConfigParser(_Parser):
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
-        early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
         early.add_argument("--config")
         early.add_argument("--plan")
-        found, _ = early.parse_known_args(args)
+        try:
+            found, _ = early.parse_known_args(args)
+        except argparse.ArgumentError:   # e.g. --plan without its file: the full parse says so, in one line
+            found = argparse.Namespace(config=None, plan=None)
         try:
             values = configfile.read(found.config, self.config) if found.config is not None else {}
             plan = found.plan or values.get("plan")
