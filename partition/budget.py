@@ -46,7 +46,7 @@ def relax(costs: CostModel, cuts: list[int], allowed: list[str], budget: int) ->
     def fits(choice: list[int]) -> bool:
         for p in range(K):
             parts = {s: options[s][choice[s]][1][p] for s in costs.holds(p)}
-            _, activations, transient = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
+            _, activations, transient, _ = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
                                                 {s: c.transient for s, c in parts.items()},
                                                 {s: c.back for s, c in parts.items()},
                                                 {s: costs.between(cuts, s, options[s][choice[s]][0]) for s in parts})

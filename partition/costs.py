@@ -102,18 +102,21 @@ def _or(matrix, default):
 
 
 def highest(moments: list[schedules.Moment], kept: dict[int, int], transient: dict[int, int],
-            back: dict[int, int] | None = None,
-            between: dict[int, int] | None = None) -> tuple[dict[int, int], int, int]:
+            back: dict[int, int] | None = None, between: dict[int, int] | None = None,
+            gradients: dict[int, int] | None = None) -> tuple[dict[int, int], int, int, int]:
     """A position's highest moment (``gems.schedule.generators.moments``): its live micro-batches per
     stage, the bytes they keep -- plus ``between`` per micro-batch between the halves of a split
-    backward (none without) -- and the transient bytes then: the stage computed's, plus ``back``
-    of the stage whose offloaded tensors its prefetch brings back during it (none without)."""
-    back, between = back or {}, between or {}
+    backward (none without) --, the transient bytes then: the stage computed's, plus ``back``
+    of the stage whose offloaded tensors its prefetch brings back during it (none without), and the
+    ``gradients`` of the stages whose step's gradients exist only from their first backward to their
+    reduce (``host-optimizer``; none without)."""
+    back, between, gradients = back or {}, between or {}, gradients or {}
     return max(((live, sum(n * kept[s] for s, n in live.items())
                  + sum(n * between.get(s, 0) for s, n in halves.items()),
-                 transient[stage] + (back.get(early, 0) if early is not None else 0))
-                for stage, live, early, halves in moments),
-               key=lambda moment: moment[1] + moment[2])
+                 transient[stage] + (back.get(early, 0) if early is not None else 0),
+                 sum(gradients.get(s, 0) for s in made))
+                for stage, live, early, halves, made in moments),
+               key=lambda moment: moment[1] + moment[2] + moment[3])
 
 
 def host_moments(actions: list[ir.Action]) -> list[tuple[int | None, dict[int, int]]]:

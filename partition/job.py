@@ -135,24 +135,26 @@ class Job:
             est = [stage_estimates[s] for s in held]
             parts = [on[s][p] for s in held]
             between = {s: stage_estimates[s].split_bytes for s in held}
-            live, activations, transient = highest(costs.moments[p], {s: on[s][p].kept for s in held},
-                                                   {s: on[s][p].transient for s in held},
-                                                   {s: on[s][p].back for s in held}, between)
-            _, plain_activations, plain_transient = highest(
+            # a host-optimizer stage's gradients exist from its first backward to its copy out, priced so
+            lazy = {s: stage_estimates[s].grad_bytes for s in held if policies[s].state_placement == HOST}
+            live, activations, transient, gradients = highest(
+                costs.moments[p], {s: on[s][p].kept for s in held}, {s: on[s][p].transient for s in held},
+                {s: on[s][p].back for s in held}, between, lazy)
+            _, plain_activations, plain_transient, plain_gradients = highest(
                 costs.moments[p], {s: stage_estimates[s].plain_activation_bytes for s in held},
-                {s: stage_estimates[s].transient_bytes for s in held}, None, between)
+                {s: stage_estimates[s].transient_bytes for s in held}, None, between, lazy)
             in_flight = {s: int(live.get(s, 0)) for s in held}
             static = sum(e.param_bytes - e.grad_bytes + e.buffer_bytes if policies[e.stage].state_placement == SWAPPED
-                         else e.static_bytes for e in est) + self.resident(cuts, held)
+                         else e.static_bytes - lazy.get(e.stage, 0) for e in est) + self.resident(cuts, held)
             extra = sum(c.seconds for c in parts)
             compute = costs.compute_seconds(p, cuts) + costs.handled(p, 0) * stage_estimates[0].spatial_seconds
             positions.append(PositionEstimate(
                 position=p, stages=held, units=sum(e.end_unit - e.first_unit for e in est),
                 param_bytes=sum(e.param_bytes for e in est), static_bytes=static, in_flight=in_flight,
-                activation_bytes=activations, transient_bytes=transient,
-                peak_bytes=static + activations + transient + sending[p], send_bytes=sending[p],
+                activation_bytes=activations, transient_bytes=transient, gradient_bytes=gradients,
+                peak_bytes=static + activations + transient + gradients + sending[p], send_bytes=sending[p],
                 flops=sum(costs.handled(p, s) * stage_estimates[s].forward_flops for s in held), load=loads[p],
-                plain_peak_bytes=static + plain_activations + plain_transient + sending[p],
+                plain_peak_bytes=static + plain_activations + plain_transient + plain_gradients + sending[p],
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
         P, suffix = (tiles.tiles, bool(tiles.start)) if tiles else (1, False)
         ranks = Topology(ranks_per_group(K, costs.schedule, P, suffix), K, costs.schedule, P, suffix)

@@ -18,7 +18,9 @@ bandwidth.
 
 These are model state, apart from the offload pool (``Plan.host_bytes``); unlike offloaded
 activations they are priced on a CPU device too, whose ranks keep the host tier in allocations of
-its own. The device's gradients stay allocated for the whole step, as the runtime keeps them.
+its own. On the device, a host-optimizer stage's gradients exist only from its first backward to its copy
+out (``PositionEstimate.gradient_bytes`` prices them moment by moment, ``costs.highest``); the solver and the
+policies' budget count them as static, a bound.
 
 ``auto`` (``on_device_where_it_fits``): every stage on the host plans the cuts and activation
 policies (the leanest the device can be); then, stage by stage, from the most host state down,
@@ -118,11 +120,14 @@ def on_device_where_it_fits(plan: Plan, room: int) -> Plan:
         e = estimates[s]
         if policies[s].state_placement != HOST:
             continue
-        optimizer = e.host_state_bytes - e.swap_bytes   # what the device takes back: the optimizer state
+        optimizer = e.host_state_bytes - e.swap_bytes   # the optimizer state
+        # what the device takes back: the optimizer state, and the gradients for the whole step (a bound: the
+        # peak moment may have counted them already, PositionEstimate.gradient_bytes)
+        back = optimizer + e.grad_bytes
         holders = [p.position for p in plan.positions if s in p.stages]
-        if all(peaks[p] + optimizer <= room for p in holders):
+        if all(peaks[p] + back <= room for p in holders):
             for p in holders:
-                peaks[p] += optimizer
+                peaks[p] += back
             estimates[s] = replace(e, optimizer_bytes=optimizer, host_state_bytes=0, swap_bytes=0, host_seconds=0.0)
             policies[s] = replace(policies[s], state_placement="device")
     added = {p.position: peaks[p.position] - p.peak_bytes for p in plan.positions}

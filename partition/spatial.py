@@ -219,7 +219,7 @@ def member_peaks(member: PolicyModel, leader: CostModel, cuts: Sequence[int], po
         on = {s: costs.stage(list(cuts), s, policies[s])[p] for s in held}
         kept, transient, back = ({s: getattr(on[s], f) if s in on else 0 for s in costs.holds(p)}
                                  for f in ("kept", "transient", "back"))
-        _, activations, working = highest(costs.moments[p], kept, transient, back,
+        _, activations, working, _ = highest(costs.moments[p], kept, transient, back,
                                           {s: costs.between(cuts, s, policies[s]) for s in held})
         static = sum(int(costs.static[cuts[s], cuts[s + 1]]) for s in held)
         peaks.append(static + activations + working if held else 0)

@@ -16,6 +16,7 @@ from gems.comm import loopback
 from gems.errors import GemsError
 from gems.obs import trace
 from gems.pipeline import hostopt
+from gems.schedule import ir
 
 from equivalence import adamw, build, data, make_plan, optimizer, run_loopback
 
@@ -97,6 +98,38 @@ def test_the_optimizer_holds_host_copies_and_the_trainer_s_writes_reach_them():
         assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())   # lr 0: no change
         return True
     assert loopback.run(1, rank, timeout=20) == [True]
+
+
+def test_device_gradients_exist_from_a_stage_s_first_backward_to_its_copy_out():
+    """mast K = 2 (each rank holds two stages): no bucket for their gradients; a stage's device gradients
+    are made at its first backward and dropped at its reduce (copied to the host then), whichever order
+    the rank's two stages run in."""
+    plan = make_plan("transparency", "mast", 2, 2, 1, placement="host-optimizer")
+    def rank(comm):
+        engine = _engine(comm, copy.deepcopy(plan))
+        assert engine.bucket.numel() == 0   # the model has no BatchNorm statistics to carry
+        seen = []
+        def alive() -> tuple[int, ...]:
+            return tuple(s for s, m in sorted(engine.stages.items()) if any(p.grad is not None for p in m.parameters()))
+        def logged(run):
+            def wrapped(a):
+                run(a)
+                seen.append((a, alive()))
+            return wrapped
+        runs = engine.executor._run
+        for op in list(runs):
+            runs[op] = logged(runs[op])
+        images, labels = data(plan.batch_size, 0)
+        for _ in range(2):
+            assert alive() == ()
+            seen.clear()
+            engine.step(images, labels)
+        for s in engine.stages:
+            first = next(i for i, (a, _) in enumerate(seen) if a.stage == s and a.op in ir.GRADIENT)
+            reduce = next(i for i, (a, _) in enumerate(seen) if a.stage == s and a.op == ir.REDUCE)
+            assert [s in held for _, held in seen] == [first <= i < reduce for i in range(len(seen))]
+        return True
+    assert loopback.run(2, rank, timeout=20) == [True, True]
 
 
 def test_an_optimizer_without_a_host_implementation_is_refused():

@@ -44,12 +44,14 @@ def test_moments_follow_each_position_in_time():
         ["forward d0.s0", "forward u0.s1", "backward u0.s1", "backward d0.s0"]
     # after B u0.s1 only stage 0 is alive again: a moment already seen
     # (stage computed, alive per stage, the stage whose backward is prefetched during it, between
-    # the halves of a split backward per stage)
-    assert sch.moments(lists[0]) == [(0, {0: 1}, None, {}), (1, {0: 1, 1: 1}, None, {}), (1, {0: 1, 1: 1}, 0, {})]
+    # the halves of a split backward per stage, the stages whose gradients exist from their first backward to
+    # their reduce): B d0.s0 differs from F d0.s0 by stage 0's gradients, made during it
+    assert sch.moments(lists[0]) == [(0, {0: 1}, None, {}, ()), (1, {0: 1, 1: 1}, None, {}, ()),
+                                     (1, {0: 1, 1: 1}, 0, {}, (1,)), (0, {0: 1}, None, {}, (0,))]
     gpipe = sch.moments(sch.schedule("gpipe", 2, 3)[0])
     # F0 F1 F2 B0 B1 B2: F2, B0 and B1 each run while the next backward's tensors come back (moments are distinct)
-    assert gpipe == [(0, {0: 1}, None, {}), (0, {0: 2}, None, {}), (0, {0: 3}, 0, {}),
-                     (0, {0: 2}, 0, {})]   # B2 = F0
+    assert gpipe == [(0, {0: 1}, None, {}, ()), (0, {0: 2}, None, {}, ()), (0, {0: 3}, 0, {}, ()),
+                     (0, {0: 3}, 0, {}, (0,)), (0, {0: 2}, 0, {}, (0,)), (0, {0: 1}, None, {}, (0,))]
     for name, K, m in (("1f1b", 4, 8), ("mast", 4, 2), ("gpipe", 3, 4)):
         for actions, bound in zip(sch.schedule(name, K, m), sch.in_flight(name, K, m)):
             alive = [live for _, live, *_ in sch.moments(actions)]

@@ -109,7 +109,7 @@ def test_a_weight_gradient_moves_no_message_and_keeps_its_micro_batch_alive():
             assert actions[k - 1].op not in ir.RECVS and (k + 1 == len(actions) or actions[k + 1].op not in ir.SENDS)
     # alive from the forward's start to the weight-gradient's end
     lists = sch.schedule("1f1b", 2, 1, split=True)
-    assert sch.moments(lists[1]) == [(1, {1: 1}, None, {}), (1, {1: 1}, None, {1: 1})]
+    assert sch.moments(lists[1]) == [(1, {1: 1}, None, {}, ()), (1, {1: 1}, None, {1: 1}, (1,))]
     # between the halves from the input-gradient's start to the weight-gradient's end
 
 

@@ -259,6 +259,7 @@ class Executor:
 
     def _backward(self, a: ir.Action) -> None:
         key = _key(a)
+        self.grads.gradients(a.stage)
         received, out, _ = self._stash.pop(key)
         outputs, grads = self._seeds(a, out)
         if outputs:
@@ -275,6 +276,7 @@ class Executor:
             # finds nothing left to do
             self._backward(a)
             return
+        self.grads.gradients(a.stage)
         received, out, leaves = self._stash.pop(key)
         outputs, grads = self._seeds(a, out)
         self._pending[key] = input_half(outputs, grads, list(leaves), runner.params)
@@ -284,6 +286,7 @@ class Executor:
     def _backward_weight(self, a: ir.Action) -> None:
         pending = self._pending.pop(_key(a), None)
         if pending is not None:
+            self.grads.gradients(a.stage)
             runner = self.runners[a.stage]
             weight_half(pending, runner.weights.accumulate if runner.weights is not None else None)
             runner.finish_backward()

@@ -22,9 +22,10 @@ zeroed after the step), the owner updates its run, and one allgather per stage h
 parameters to all -- together one allreduce's traffic.
 
 A stage placed on the host (``StagePolicy.state_placement == "host-optimizer"``, ``placements``)
-keeps its parameters and its segment on the device, but its segment is copied out to the host
-after the stage's last backward and summed there, and the optimizer updates host copies of the
-parameters, which go back to the device after the step (``gems.pipeline.hostopt``). A stage placed
+keeps its parameters on the device, and its gradients in a segment outside the bucket that exists only
+from the stage's first backward of the step (``gradients``, which the executor calls before each) until
+it is copied out to the host after the stage's last backward and summed there; the optimizer updates
+host copies of the parameters, which go back to the device after the step (``gems.pipeline.hostopt``). A stage placed
 ``"host"`` is held so too, but its parameters leave the device (``gems.pipeline.hostweights`` brings
 them back per unit group) and its gradients are added into the host copy as backward makes them: its
 device parameters have no ``.grad`` and its bucket segment holds only the BatchNorm statistics' copy (the
@@ -99,10 +100,15 @@ class GradSync:
         dtype = dtypes.pop() if dtypes else torch.float32
         sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
         # a part whose parameters live on the host keeps only its statistics' copy in the bucket: its gradients
-        # are laid out as if there (the host copy's layout) but go to the host as backward makes them
+        # are laid out as if there (the host copy's layout) but go to the host as backward makes them; a part
+        # whose optimizer lives on the host (``_lazy``) keeps its statistics' copy there too, its gradients in a
+        # segment of their own that exists only from the stage's first backward to its copy out (``gradients``)
         self._placed = {k for k in params if k[0] in self._weights_on_host}
-        self.bucket = torch.zeros(sum(n + g * (k not in self._placed) for k, (g, n) in sizes.items()), dtype=dtype,
-                                  device=device)
+        self._lazy = {k for k in params if k[0] in self._on_host and k not in self._placed}
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}   # the lazy parts' device gradients while they exist
+        self._grad_sizes = {k: g for k, (g, _) in sizes.items()}
+        self.bucket = torch.zeros(sum(n + g * (k not in (self._placed | self._lazy)) for k, (g, n) in sizes.items()),
+                                  dtype=dtype, device=device)
         # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
         self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
@@ -113,12 +119,12 @@ class GradSync:
         self._part_params = params   # per (stage, part), in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
-            if s in self._placed:   # offsets relative to the part only: its [offset, offset + n_grad) is not its own
-                segment = self.bucket[offset:offset + n_stats]
+            if s in self._placed or s in self._lazy:   # offsets relative to the part only: its [offset, offset +
+                segment = self.bucket[offset:offset + n_stats]    # n_grad) is not its own
                 self._segments[s] = (segment, segment[:0], segment, stats[s])
                 at = offset
                 for p in params[s]:
-                    p.grad = None   # autograd makes one per backward (gems.pipeline.hostweights)
+                    p.grad = None   # autograd makes one per backward (hostweights), or ``gradients`` its place
                     self._offsets[id(p)] = at
                     at += p.numel()
                 offset += n_stats
@@ -195,7 +201,7 @@ class GradSync:
         their gradients (one copy back per part), copied to the host. Returns the host copy."""
         lo, hi = self._span(params)
         flat = self._flatten(params, lo, hi)
-        return self.host.add(key, self._segments[key][0], flat, params, [self._offsets[id(p)] - lo for p in params],
+        return self.host.add(key, self._segments[key][2], flat, params, [self._offsets[id(p)] - lo for p in params],
                              key in self._placed)   # positional: tests count the parts by wrapping add
 
     def _lay_out(self, key: tuple[int, int], ordered: list[nn.Parameter]) -> None:
@@ -204,7 +210,7 @@ class GradSync:
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
         views = {id(p): view for p, view in self._views}
         for p in ordered:
-            if key not in self._placed:   # a placed part's gradients are laid out on the host alone
+            if key not in self._placed and key not in self._lazy:   # theirs are laid out on the host alone
                 views[id(p)] = p.grad = formats.like(self.bucket[offset:offset + p.numel()], p)
             self._offsets[id(p)] = offset
             offset += p.numel()
@@ -269,7 +275,28 @@ class GradSync:
         """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
         for _, grads, _, _ in self._segments.values():
             grads.zero_()
+        for key in list(self._grads):   # a step that ended early: the next starts from none
+            self._release(key)
         self.host.zero_grads()
+
+    @torch.no_grad()
+    def gradients(self, stage: int) -> None:
+        """Before each backward of ``stage`` (or half of one): the device segment of each of its parts whose
+        optimizer lives on the host, zeros made at the step's first backward, every ``.grad`` a view of it
+        (``_copy_out`` copies it to the host after the last, and drops it)."""
+        for key in self._lazy:
+            if key[0] == stage and key not in self._grads and self._grad_sizes[key]:
+                params = self._part_params[key]
+                lo, _ = self._span(params)
+                grads = self._grads[key] = self.bucket.new_zeros(self._grad_sizes[key])
+                for p in params:
+                    p.grad = formats.like(grads[self._offsets[id(p)] - lo:][:p.numel()], p)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        """Drop part ``key``'s device gradients (``gradients`` made them)."""
+        del self._grads[key]
+        for p in self._part_params[key]:
+            p.grad = None
 
     def start(self, stage: int) -> None:
         """Start summing ``stage``'s segment over the sync group (its backward is complete here); a
@@ -291,9 +318,12 @@ class GradSync:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
 
     def _copy_out(self, key: tuple[int, int]) -> None:
-        """Part ``key``'s segment, its statistics gathered into it, on its way to the host."""
+        """Part ``key``'s gradients and statistics (gathered into their copy) on their way to the host; the
+        device's gradients are dropped then."""
         self._gather_statistics(key)
-        self.host.copy_out(key, self._segments[key][0])
+        self.host.copy_out(key, self._grads.get(key), self._segments[key][2])
+        if key in self._grads:
+            self._release(key)
 
     def _summed(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """Part ``key``'s (segment, gradients, statistics' copy, statistics buffers) where it is summed:

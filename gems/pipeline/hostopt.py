@@ -1,10 +1,11 @@
 """Model state in host memory, ``StagePolicy.state_placement == "host-optimizer"``: the optimizer's
 state and its update on the host (KARMA's host-side update, ZeRO-Offload's CPU optimizer).
 
-For each part of such a stage (``GradSync``'s segments), the device keeps the parameters and the
-gradient segment that backward accumulates into; this tier keeps, in host memory allocated once
-before the first step (pinned where the device is CUDA; on CPU ranks a pool of its own, filled only
-by copy):
+For each part of such a stage (``GradSync``'s segments), the device keeps the parameters, and the
+gradient segment that backward accumulates into only from the stage's first backward of the step to its
+copy out (``GradSync.gradients``: no bucket holds it the rest of the step); this tier keeps, in host
+memory allocated once before the first step (pinned where the device is CUDA; on CPU ranks a pool of
+its own, filled only by copy):
 
     the segment's copy     the gradients, then the copy of the BatchNorm statistics, as on the device
     the parameters' copy   laid out as their gradients; the optimizer's parameters are views of it,
@@ -16,7 +17,8 @@ One step of such a part::
     host                            '-- allreduce -- loss, norm -- update --'
 
 ``copy_out`` after the stage's last backward (CUDA: on a copy stream after the compute stream's
-work, so the rest of the backward runs beside it; CPU: a plain copy), the sync group's allreduce
+work, so the rest of the backward runs beside it, the device segment's memory reused only once the copy
+has read it; CPU: a plain copy), the sync group's allreduce
 (or reduce-scatter) runs on the host copy, clipping scales the host gradients, the optimizer --
 torch's CPU implementation, which the user's factory builds on the host parameters -- updates
 them in place once the step-wide loss (and norm) is known, and ``copy_back`` hands the new values
@@ -102,18 +104,19 @@ class HostTier:
         """Whether a copy out completes later (CUDA), so the collective on it is posted at the sync."""
         return self.pin
 
-    def add(self, key: tuple[int, int], segment: torch.Tensor, flat: torch.Tensor, params: list[nn.Parameter],
+    def add(self, key: tuple[int, int], statistics: torch.Tensor, flat: torch.Tensor, params: list[nn.Parameter],
             offsets: list[int], weights: bool = False) -> torch.Tensor:
-        """Hold part ``key`` on the host: its device ``segment``, ``flat`` (its parameters' device buffer)
-        and ``params`` at ``offsets`` in both; ``weights``: the parameters live on the host too (the tier
-        keeps no hold on ``flat``, whose owner frees it). Returns the host copy of ``flat``."""
+        """Hold part ``key`` on the host: the device copy of its BatchNorm ``statistics``, ``flat`` (its
+        parameters' device buffer, laid out as their gradients) and ``params`` at ``offsets`` in both;
+        ``weights``: the parameters live on the host too (the tier keeps no hold on ``flat``, whose owner
+        frees it). Returns the host copy of ``flat``."""
         if self.pin and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         host_params = self._allocate(flat)
         host_params.copy_(flat)
-        # a part whose weights live here: the device segment holds its statistics only; the host's has its
-        # gradients first, added into (so zeroed), not copied
-        host_segment = self._allocate(segment, flat.numel() if weights else 0)
+        # the host segment: the gradients, then the statistics; a part whose weights live here has its
+        # gradients added into (so zeroed), the others copied from the device's at ``copy_out``
+        host_segment = self._allocate(statistics, flat.numel())
         if weights:
             host_segment[:flat.numel()].zero_()
         staging = self._allocate(flat) if weights and self.pin else None
@@ -170,21 +173,28 @@ class HostTier:
         """(host parameter, its gradient's place in the host segment) of every part."""
         return self._views
 
-    def copy_out(self, key: tuple[int, int], segment: torch.Tensor) -> None:
-        """Start copying the device ``segment`` of part ``key`` to the host (its backward is done); a
-        part whose weights live here has its gradients already: only its statistics go."""
+    def copy_out(self, key: tuple[int, int], grads: torch.Tensor | None, statistics: torch.Tensor) -> None:
+        """Start copying part ``key``'s device ``grads`` (its backward is done; None for a part whose
+        weights live here: its gradients are here already) and ``statistics`` to the host. On CUDA the
+        gradients' memory is not reused before the copy has read it, so the caller may drop them now."""
         part = self._parts[key]
-        source, target = segment, part.segment[part.grads:] if part.weights else part.segment   # see ``add``
+        pairs = [(part.segment[part.grads:], statistics)]
+        if grads is not None:
+            pairs.append((part.segment[:part.grads], grads))
         with self.timed(f"copy-out s{key[0]}"):
             if self._stream is None:
-                target.copy_(source)
+                for target, source in pairs:
+                    target.copy_(source)
                 part.copied = True
                 return
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                target.copy_(source, non_blocking=True)
+                for target, source in pairs:
+                    target.copy_(source, non_blocking=True)
                 part.copied = torch.cuda.Event()
                 part.copied.record(self._stream)
+            if grads is not None:
+                grads.record_stream(self._stream)
 
     @torch.no_grad()
     def grad_out(self, p: nn.Parameter, grad: torch.Tensor) -> None:

@@ -133,7 +133,7 @@ class PositionEstimate:
     activation_bytes: int             # then: sum over stages of in_flight * activation bytes, plus
                                       # split_bytes per micro-batch between the halves of a split backward
     transient_bytes: int              # then: working memory + what a policy brings back, of the stage computed
-    peak_bytes: int                   # static + activations + transient
+    peak_bytes: int                   # static + activations + transient + gradients + send
     flops: int                        # forward FLOPs per step (all micro-batches it runs)
     load: float                       # the balanced objective's value for this position
     plain_peak_bytes: int = 0         # peak_bytes without policies
@@ -145,6 +145,8 @@ class PositionEstimate:
     member_peak_bytes: int = 0        # a tile group's other ranks' peak (0: not a tile group, or an older plan)
     received_bytes: list[int] = field(default_factory=list)   # pipeline message bytes each rank receives per
                                       # step: the leader's, then each tile group member's ([]: an older plan)
+    gradient_bytes: int = 0           # then: gradients of its host-optimizer stages, which exist from a stage's
+                                      # first backward to its copy out (not in static_bytes)
 
 
 @dataclass

@@ -14,6 +14,7 @@ def table(plan) -> str:
     shape = "x".join(map(str, plan.input_shape))
     policed = any(p.kind != "none" for p in plan.policies)
     placed = bool(plan.state_host_bytes)   # some stage's model state in host memory (gems.partition.placement)
+    lazy = any(p.gradient_bytes for p in plan.positions)   # gradients on the device only from a first backward
     lines = [
         f"model {plan.model_name}, input {shape}, batch {plan.batch_size} "
         f"({plan.micro_batch_size} per micro-batch), {plan.groups} group(s), {plan.dtype}"
@@ -33,11 +34,13 @@ def table(plan) -> str:
                + [format_size(s.output_bytes), f"{s.forward_flops / 1e9:.1f}"]
                for s, policy in zip(plan.stage_estimates, plan.policies)]),
         "",
-        _rows(["position", "stages", "units", "params", "activations", "transient", "est. peak"]
+        _rows(["position", "stages", "units", "params", "activations", "transient"]
+              + ["grads (backward)"] * lazy + ["est. peak"]
               + ["w/o policy", "+s/step"] * policed + ["host (offload)"] * bool(plan.host_bytes)
               + ["host (state)", "swap up/down per step"] * placed + ["GFLOP/step"],
               [[str(p.position), ",".join(map(str, p.stages)), str(p.units), format_size(p.param_bytes),
-                format_size(p.activation_bytes), format_size(p.transient_bytes), format_size(p.peak_bytes)]
+                format_size(p.activation_bytes), format_size(p.transient_bytes)]
+               + [format_size(p.gradient_bytes)] * lazy + [format_size(p.peak_bytes)]
                + [format_size(p.plain_peak_bytes), f"{p.extra_seconds:.3f}"] * policed
                + ([format_size(plan.host_bytes[p.position])] if plan.host_bytes else [])
                + ([format_size(plan.state_host_bytes[p.position]), _swap(plan, p)] if placed else [])

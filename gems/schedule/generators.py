@@ -135,13 +135,15 @@ def prefetch_points(actions: list[Action]) -> dict[int, tuple[int, int, int]]:
     return points
 
 
-Moment = tuple[int, dict[int, int], "int | None", dict[int, int]]
+Moment = tuple[int, dict[int, int], "int | None", dict[int, int], tuple[int, ...]]
 
 
 def moments(actions: list[Action]) -> list[Moment]:
     """Every distinct moment of one position's compute actions, in order: (the stage
     computed, {stage: micro-batches alive}, the stage whose backward is prefetched then or
-    None (``prefetch_points``), {stage: micro-batches between the halves of a split backward}).
+    None (``prefetch_points``), {stage: micro-batches between the halves of a split backward},
+    the stages whose step's gradients exist then if they exist only from the stage's first backward
+    (or half of one) until its ``reduce`` -- as a stage placed ``host-optimizer`` keeps them).
 
     A micro-batch is alive on a stage from the start of its forward to the end of its
     backward, or of its weight-gradient when the backward is split (the input-gradient pass keeps
@@ -156,6 +158,11 @@ def moments(actions: list[Action]) -> list[Moment]:
     between: dict[int, int] = {}
     seen: list[Moment] = []
     prefetch = prefetch_points(actions)
+    first = {}   # stage -> index of its first backward (or input half)
+    for i, a in enumerate(actions):
+        if a.op in GRADIENT:
+            first.setdefault(a.stage, i)
+    reduced = {a.stage: i for i, a in enumerate(actions) if a.op == REDUCE}
 
     def count(alive: dict[int, int], stage: int, by: int) -> None:
         alive[stage] = alive.get(stage, 0) + by
@@ -169,7 +176,8 @@ def moments(actions: list[Action]) -> list[Moment]:
         if a.op == BACKWARD_INPUT:
             count(between, a.stage, 1)
         moment = (a.stage, dict(sorted(live.items())), prefetch[i][2] if i in prefetch else None,
-                  dict(sorted(between.items())))
+                  dict(sorted(between.items())),
+                  tuple(s for s in sorted(first) if first[s] <= i < reduced.get(s, len(actions))))
         if moment not in seen:
             seen.append(moment)
         if a.op in (BACKWARD, BACKWARD_WEIGHT):
