@@ -41,16 +41,18 @@ def relax(costs: CostModel, cuts: list[int], allowed: list[str], budget: int) ->
         options.append(sorted(found.values(), key=lambda option: sum(c.seconds for c in option[1].values())))
         leanest.append(next(i for i, (policy, _) in enumerate(options[-1]) if policy == whole))
     units = costs.profile.units
-    static = [sum(u.static_bytes for s in costs.holds(p) for u in units[cuts[s]:cuts[s + 1]]) for p in range(K)]
+    lazy = {s: sum(u.lazy_grad_bytes for u in units[cuts[s]:cuts[s + 1]]) for s in range(K)}   # priced per moment
+    static = [sum(u.static_bytes for s in costs.holds(p) for u in units[cuts[s]:cuts[s + 1]])
+              - sum(lazy[s] for s in costs.holds(p)) for p in range(K)]
 
     def fits(choice: list[int]) -> bool:
         for p in range(K):
             parts = {s: options[s][choice[s]][1][p] for s in costs.holds(p)}
-            _, activations, transient, _ = highest(costs.moments[p], {s: c.kept for s, c in parts.items()},
-                                                {s: c.transient for s, c in parts.items()},
-                                                {s: c.back for s, c in parts.items()},
-                                                {s: costs.between(cuts, s, options[s][choice[s]][0]) for s in parts})
-            if static[p] + activations + transient > budget:
+            _, activations, transient, gradients = highest(
+                costs.moments[p], {s: c.kept for s, c in parts.items()}, {s: c.transient for s, c in parts.items()},
+                {s: c.back for s, c in parts.items()},
+                {s: costs.between(cuts, s, options[s][choice[s]][0]) for s in parts}, lazy)
+            if static[p] + activations + transient + gradients > budget:
                 return False
         return True
 

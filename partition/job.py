@@ -136,7 +136,7 @@ class Job:
             parts = [on[s][p] for s in held]
             between = {s: stage_estimates[s].split_bytes for s in held}
             # a host-optimizer stage's gradients exist from its first backward to its copy out, priced so
-            lazy = {s: stage_estimates[s].grad_bytes for s in held if policies[s].state_placement == HOST}
+            lazy = {s: sum(u.lazy_grad_bytes for u in units[cuts[s]:cuts[s + 1]]) for s in held}
             live, activations, transient, gradients = highest(
                 costs.moments[p], {s: on[s][p].kept for s in held}, {s: on[s][p].transient for s in held},
                 {s: on[s][p].back for s in held}, between, lazy)

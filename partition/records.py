@@ -54,6 +54,8 @@ class UnitProfile:
     host_optimizer_bytes: int = 0   # optimizer state that ``ModelProfile.on_host`` moved off the device
     swapped: bool = False     # trainable parameters and their gradients in host memory too (``ModelProfile.on_host``):
                               # on the device only while its weight group is (gems.partition.swapping)
+    host_update: bool = False   # its optimizer runs on the host (``ModelProfile.on_host``): on the device, its
+                                # gradients exist only from the stage's first backward to their copy out
 
     @property
     def static_bytes(self) -> int:
@@ -61,6 +63,12 @@ class UnitProfile:
         buffers (a swapped unit's trainable parameters and gradients are priced per weight group instead)."""
         weights = self.param_bytes - self.grad_bytes if self.swapped else self.param_bytes + self.grad_bytes
         return weights + self.buffer_bytes + self.optimizer_bytes
+
+    @property
+    def lazy_grad_bytes(self) -> int:
+        """Gradients in ``static_bytes`` that exist only from the stage's first backward to their copy out
+        (``host-optimizer``; a bound on a stage's peak counts them as static, ``costs.highest`` per moment)."""
+        return self.grad_bytes if self.host_update and not self.swapped else 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class ModelProfile:
         to ``host_optimizer_bytes``; with ``weights`` their trainable parameters and gradients too
         (``host``: ``swapped``)."""
         where = [True] * len(self.units) if where is None else list(where)
-        return replace(self, units=[replace(u, optimizer_bytes=0, swapped=weights or u.swapped,
+        return replace(self, units=[replace(u, optimizer_bytes=0, swapped=weights or u.swapped, host_update=True,
                                             host_optimizer_bytes=u.host_optimizer_bytes + u.optimizer_bytes)
                                     if moved else u for u, moved in zip(self.units, where)])
 

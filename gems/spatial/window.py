@@ -72,7 +72,12 @@ class Conv:
 
 @dataclass(frozen=True)
 class MaxPool:
-    """F.max_pool2d on a region (its indices kept for backward)."""
+    """F.max_pool2d on a region (its indices kept for backward).
+
+    On CPU it pools an NCHW region laid out NHWC and hands back NCHW: PyTorch's NCHW kernel walks
+    each channel's plane alone, its NHWC one vectorises over the channels -- resnet18's stem pooling
+    (64 channels, 129 x 256) took 16 ms NCHW, 3.4 ms with both layout copies. The values and
+    indices (row x width + column, whatever the layout) are the same."""
 
     kernel: tuple[int, int]
     stride: tuple[int, int]
@@ -81,9 +86,11 @@ class MaxPool:
     kept = 1
 
     def forward(self, region, weight, bias):
-        y, indices = torch.ops.aten.max_pool2d_with_indices(region, self.kernel, self.stride, self.padding,
+        fmt = formats.format_of(region)
+        pooled = region.contiguous(memory_format=torch.channels_last) if region.device.type == "cpu" else region
+        y, indices = torch.ops.aten.max_pool2d_with_indices(pooled, self.kernel, self.stride, self.padding,
                                                             self.dilation, False)
-        return y, (indices,)
+        return y.contiguous(memory_format=fmt), (indices.contiguous(memory_format=fmt),)
 
     def place(self, kept, at: tuple[int, int], width: int, full: int):
         """The indices of a max pooling of a part of the region whose first element lies at
