@@ -158,11 +158,13 @@ class Job:
                 recompute_flops=sum(c.flops for c in parts), seconds=float(compute + extra), extra_seconds=extra))
         P, suffix = (tiles.tiles, bool(tiles.start)) if tiles else (1, False)
         ranks = Topology(ranks_per_group(K, costs.schedule, P, suffix), K, costs.schedule, P, suffix)
-        if tiles:   # a member's peak, its receives and sends of the skips' tiles (gems.pipeline.routes) included
+        if tiles:   # a member's peak, its receives and sends of the skips' tiles (gems.pipeline.routes) included,
             buffers = message_buffers(costs.schedule, K, costs.m, edges, self.prof.micro_batch_size, costs.split,
                                       order=costs.order, members=ranks)
+            tiled = {0, K - 1} if suffix else {0}   # and its resident weight groups (a bound: the whole stage's)
             for p, peak in enumerate(member_peaks(self.member, costs, cuts, policies, tiles)):
-                positions[p].member_peak_bytes = peak + buffers[p] if peak else 0
+                resident = self.resident(cuts, [s for s in costs.holds(p) if s in tiled])
+                positions[p].member_peak_bytes = peak + buffers[p] + resident if peak else 0
         lists = schedules.schedule(costs.schedule, K, costs.m, edges.skips, costs.split, costs.order)
         for p, got in enumerate(edges.received_bytes(lists, ranks, self.prof.micro_batch_size)):
             positions[p].received_bytes = got

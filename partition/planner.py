@@ -214,13 +214,14 @@ def plan(model: nn.Module, input_shape: Sequence[int], batch_size: int, stages: 
         its other ranks (``gems.partition.spatial``)."""
         placements = [placement] * n if isinstance(placement, str) else placement
         share = [sharers * (tiles.tiles if tiles and shard_optimizer and tiles.tiled(u) else 1) for u in range(n)]
-        p = (prof if tiles is None else tiled_profile(prof, tiles)).sharded(share)
-        # cut and fitted as the device holds it
-        p = p.on_host(where=[w != "device" for w in placements]).on_host(True, [w == SWAPPED for w in placements])
+        def held(q: ModelProfile) -> ModelProfile:   # cut and fitted as the device holds it
+            return q.sharded(share).on_host(where=[w != "device" for w in placements]).on_host(
+                True, [w == SWAPPED for w in placements])
+        p = held(prof if tiles is None else tiled_profile(prof, tiles))
         times = unit_times if tiles is None else tiled_times(unit_times, tiles)
         def priced(q: ModelProfile) -> PolicyModel:
             return PolicyModel(q, device, *unit_seconds(q, rate, times), bandwidth, tiles.barriers if tiles else ())
-        member = priced(tiled_profile(prof, tiles, member=True).sharded(share)) if tiles else None
+        member = priced(held(tiled_profile(prof, tiles, member=True))) if tiles else None
         return Job(p, model, priced(p), name, shape, batch_size, groups, budget, rate, overhead, amp, times, tiles,
                    member, placements, share, host_update)
 
