@@ -126,6 +126,15 @@ def test_grouping_moves_the_weights_once_per_run():
     free = simulate("gpipe", 4, 8, Costs([1.0] * 4, [2.0] * 4, [0] * 4)).step_time
     assert free < step(0.01, False) < step(0.01, True)   # compute-bound: pipelining wins
     assert step(5.0, True) < step(5.0, False)            # transfer-bound: grouping wins
+    # the host link is shared with activation offload: a backward's offloaded activations come back up the
+    # link its second weight group comes up (a forward's go down, beside its weights going up); while the
+    # backward's compute (2 s) hides both, offload costs a swapped stage nothing more; beyond it the weights
+    # are exposed, by at most their own upload (the rest is the offload policy's own price)
+    def shared(offload: float) -> float:
+        return simulate("gpipe", 2, 4, Costs([1.0] * 2, [2.0] * 2, [0] * 2, uploads=[[0.1, 0.8], []],
+                                             download=[0.1, 0.0], offload=[offload, 0.0])).step_time
+    assert shared(0.0) == shared(1.0) < shared(1.5) < shared(2.0) == shared(3.0)
+    assert shared(2.0) - shared(0.0) == pytest.approx(4 * 0.8)   # four backward visits, each 0.8 s later
 
 
 def test_auto_puts_the_weights_on_the_host_only_where_less_does_not_fit(small_groups):

@@ -30,8 +30,8 @@ K = 2, m = 1, ``mast``, forward f = 1, backward b = 2, free messages: no bubble,
 
 A stage whose parameters live in host memory (``--state-placement host``) adds, at the first compute
 action of each visit (``gems.schedule.visits``), its weights' transfer beyond what the visit's compute
-hides (``gems.schedule.visits.transfer_seconds``); grouped (``Costs.grouped``), each run replays group-major
-(``gems.schedule.visits.group_major``).
+hides, on the host link it shares with activation offload (``gems.schedule.visits.transfer_seconds``);
+grouped (``Costs.grouped``), each run replays group-major (``gems.schedule.visits.group_major``).
 
 Timing is a max-plus function of the costs, so a faster network or device never slows a step.
 Groups are identical, so only groups whose point-to-point links differ (a pipeline split
@@ -81,6 +81,9 @@ class Costs:
     uploads: list[list[float]] | None = None
     download: list[float] | None = None
     grouped: bool = False
+    # per stage, seconds one micro-batch's offloaded activations take on the host link each way (the
+    # waiting forwards' only, ``generators.waiting_forwards``), which weight transfers share (None: none)
+    offload: list[float] | None = None
     # seconds each holder spends per step after the sync on a stage whose optimizer runs on the host
     # (--state-placement host-optimizer, host): the host update, and the parameters' copy back (None: none)
     host_seconds: list[float] | None = None
@@ -203,8 +206,13 @@ def simulate(name: str, K: int, m: int, costs: Costs, network: Network = Network
     swapped = {s: len(groups) for s, groups in enumerate(costs.uploads or ()) if groups}
     if swapped and costs.grouped:
         lists = group_major(lists, swapped)
+    waiting = [{(a.replica, a.micro, a.stage) for a in sch.waiting_forwards(actions)} for actions in planned]
+
+    def offloaded(p: int, a: sch.Action) -> float:   # seconds on the host link of a's offloaded activations
+        moved = costs.offload[a.stage] if costs.offload and (a.replica, a.micro, a.stage) in waiting[p] else 0.0
+        return moved * getattr(a, "share", 1.0)
     transfers = transfer_seconds(lists, lambda a: costs.seconds(a) * getattr(a, "share", 1.0), costs.uploads,
-                                 costs.download, costs.grouped) if swapped else {}
+                                 costs.download, costs.grouped, offloaded) if swapped else {}
     topo = Topology(world=K * groups, stages=K, schedule=name)
     reps = _representatives(K, groups, network)
     sync_key, sync_seconds = _sync_costs(topo, costs, network, shard)
@@ -402,6 +410,7 @@ def costs_from_plan(plan, device_flops: float = V100_FLOPS, efficiency: float = 
                  param_bytes=[s.param_bytes for s in stages],
                  uploads=uploads if any(uploads) else None,
                  download=[s.grad_bytes / link if getattr(s, "group_bytes", ()) else 0.0 for s in stages],
+                 offload=[getattr(s, "offload_bytes", 0) / link for s in stages],
                  host_seconds=[getattr(s, "host_seconds", 0.0) for s in stages],
                  grouped=getattr(plan, "swap_grouped", False))
 

@@ -104,18 +104,26 @@ def _part(a: ir.Action, part: int, share: float) -> Part:
 
 
 def transfer_seconds(lists: list[list[ir.Action]], seconds: Callable[[ir.Action], float], uploads: list[list[float]],
-                     download: list[float] | None, grouped: bool) -> dict[ir.Action, float]:
+                     download: list[float] | None, grouped: bool,
+                     offload: Callable[[int, ir.Action], float] | None = None) -> dict[ir.Action, float]:
     """Seconds each visit of a stage whose ``uploads`` (per weight group, seconds to bring its weights to
     the device; empty: a stage on the device) adds to its first compute action: its first group's upload,
     exposed, and whatever the other groups' uploads (and, for a backward visit, the gradients' copies down,
     ``download``, on the link's other direction) take beyond the visit's compute (``seconds``), which
-    they overlap."""
+    they overlap. The host link is shared with activation offload: ``offload(position, action)`` gives the
+    seconds a compute action's offloaded activations take on it (a forward's down, a backward's back up);
+    what they take beyond the compute alone is the offload policy's own price, so a visit adds only what
+    its weights' copies make exposed besides."""
     added = {}
-    for actions in lists:
+    for p, actions in enumerate(lists):
         for v in visits(actions, grouped):
             up = uploads[v.stage]
             if up:
                 compute = sum(seconds(actions[i]) for i in v.actions)
                 down = download[v.stage] if v.backward and download else 0.0
-                added[actions[v.actions[0]]] = up[0] + max(0.0, sum(up[1:]) - compute, down - compute)
+                moved = sum(offload(p, actions[i]) for i in v.actions) if offload else 0.0
+                shared_up, shared_down = (moved, 0.0) if v.backward else (0.0, moved)
+                alone = max(0.0, moved - compute)
+                added[actions[v.actions[0]]] = up[0] + max(0.0, sum(up[1:]) + shared_up - compute,
+                                                           down + shared_down - compute) - alone
     return added
