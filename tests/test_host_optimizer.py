@@ -16,6 +16,7 @@ from gems.comm import loopback
 from gems.errors import GemsError
 from gems.obs import trace
 from gems.pipeline import hostopt
+from gems.pipeline.gradsync import GradSync
 from gems.schedule import ir
 
 from equivalence import adamw, build, data, make_plan, optimizer, run_loopback
@@ -130,6 +131,34 @@ def test_device_gradients_exist_from_a_stage_s_first_backward_to_its_copy_out():
             assert [s in held for _, held in seen] == [first <= i < reduce for i in range(len(seen))]
         return True
     assert loopback.run(2, rank, timeout=20) == [True, True]
+
+
+def test_a_copy_still_running_at_its_reduce_is_summed_once_it_arrives(monkeypatch):
+    """CUDA's copies out complete after the reduce action that starts them: the host sum of such a part is
+    posted between later compute actions once its copy has arrived (``GradSync.progress``), in the schedule's
+    order, the rest at the sync -- as CPU ranks run here with the copies taken for asynchronous: bit for bit
+    as device, and the first stage to finish its backward summed before the sync."""
+    monkeypatch.setattr(hostopt.HostTier, "asynchronous", property(lambda self: bool(self._parts)))
+    posted = []
+    issue, sync = GradSync._issue, GradSync.sync
+    def issued(self, key):
+        posted.append((key, self._syncing))
+        return issue(self, key)
+    def syncing(self, loss):
+        self._syncing = True
+        try:
+            return sync(self, loss)
+        finally:
+            self._syncing = False
+    monkeypatch.setattr(GradSync, "_syncing", False, raising=False)
+    monkeypatch.setattr(GradSync, "_issue", issued)
+    monkeypatch.setattr(GradSync, "sync", syncing)
+    host = run_loopback("transparency", "mast", 2, 1, 2, steps=3, optim="adamw", placement="host-optimizer",
+                        rtol=RTOL["adamw"])
+    early = [key for key, at_sync in posted if not at_sync]
+    assert early and len(early) < len(posted)   # some before the sync, some at it
+    _same(host, run_loopback("transparency", "mast", 2, 1, 2, steps=3, optim="adamw", placement="device",
+                             rtol=RTOL["adamw"]))
 
 
 def test_an_optimizer_without_a_host_implementation_is_refused():

@@ -107,6 +107,8 @@ class Executor:
             self._prefetch_before(i)
             self._run[a.op](a)
             timer.span(str(a), start, now())
+            if a.op in ir.COMPUTE:
+                self.grads.progress()
             i += 1
         a = self.actions[-1]
         if a.op == ir.STEP and self.applied and self.grads.sharded:   # the step's last action

@@ -3,8 +3,9 @@
 One flat bucket per rank, one segment per stage it holds, each summed over the stage's sync group
 (the mirror group under ``mast``, the same position across groups otherwise, with every tile of
 a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the schedule's ``reduce`` action starts
-as soon as the stage's last backward on this rank is done (``start``), so it overlaps the
-backward of the rank's other stage; ``sync`` waits for them. A segment holds the stage's
+as soon as the stage's last backward on this rank is done (``start``; a stage whose sum runs on the host
+copy once that copy is done, ``progress``), so it overlaps the backward of the rank's other stage; ``sync``
+waits for them. A segment holds the stage's
 gradients -- ``param.grad`` are views of it, so backward accumulates straight into it -- then a
 copy of its floating buffers (BatchNorm running statistics), which the same call averages, so
 all copies of a stage stay identical. Every member starts its reduces in the schedule's one
@@ -310,6 +311,18 @@ class GradSync:
             if group is not None:
                 later = not self._overlap or (key in self.host and self.host.asynchronous)
                 self._reduces.append((key, None if later else self._issue(key)))
+
+    def progress(self) -> None:
+        """Post the reduces that ``start`` left for later because their copy out to the host was still
+        running (CUDA), those whose copy has completed since, in the schedule's order -- each waits for
+        those before it, so every member starts them in one order -- and the rest at the sync. Called
+        between the step's compute actions: the host sums then overlap the rest of the backward."""
+        for k, (key, req) in enumerate(self._reduces):
+            if req is not None:
+                continue
+            if not (self._overlap and key in self.host and self.host.arrived(key)):
+                return
+            self._reduces[k] = (key, self._issue(key))
 
     def _gather_statistics(self, key: tuple[int, int]) -> None:
         """Part ``key``'s BatchNorm statistics into its segment's copy of them, to be summed with it."""

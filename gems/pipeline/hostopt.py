@@ -234,6 +234,12 @@ class HostTier:
             if part.weights:
                 part.segment[:part.grads].zero_()
 
+    def arrived(self, key: tuple[int, int]) -> bool:
+        """Whether part ``key``'s copy out has completed, so its sum can be posted without waiting (never
+        for a part whose weights live here: its gradients' copies land at ``ready``)."""
+        copied = self._parts[key].copied
+        return not self._parts[key].weights and (copied is True or (copied is not None and copied.query()))
+
     def copied(self, key: tuple[int, int]) -> bool:
         """Whether part ``key``'s copy out was started this step."""
         return self._parts[key].copied is not None
