@@ -28,7 +28,10 @@ a stage comes back to the device wherever every holder still fits the budget -- 
 device needs no transfers nor host update, so it is never slower. Where even every stage's optimizer on
 the host does not fit, every stage goes to ``host`` (parameters too, ``gems.partition.swapping``), and
 ``promoted`` brings each back, to the device or else to ``host-optimizer``, where every holder still fits.
-A plan whose host state exceeds ``host_budget`` does not fit.
+Where the device fits only by recomputing or offloading, the plan with the optimizers on the host (stages
+brought back as above) competes with it: the faster predicted step wins -- a host update costs per byte of
+parameters, a recomputation per FLOP of activations, so which is cheaper depends on the model, the image
+and the host's cores (``--calibrate``). A plan whose host state exceeds ``host_budget`` does not fit.
 """
 from __future__ import annotations
 

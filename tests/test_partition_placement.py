@@ -9,6 +9,7 @@ import pytest
 
 from torch import nn
 
+from gems import models
 from gems.errors import GemsError
 from gems.partition import OPTIMIZER_STATE, Plan, plan, swapping
 from gems.partition.accuracy import toy_model
@@ -135,6 +136,24 @@ def test_grouping_moves_the_weights_once_per_run():
                                              download=[0.1, 0.0], offload=[offload, 0.0])).step_time
     assert shared(0.0) == shared(1.0) < shared(1.5) < shared(2.0) == shared(3.0)
     assert shared(2.0) - shared(0.0) == pytest.approx(4 * 0.8)   # four backward visits, each 0.8 s later
+
+
+def test_auto_weighs_the_host_update_against_the_recomputation_the_device_needs():
+    """resnet18 at 256^2 under 90% of its plain peak: on the device it fits by recomputing; auto takes the
+    optimizer off the device instead only where the host update is predicted cheaper than that."""
+    profiles = {}
+    def made(**kw) -> Plan:
+        return plan(models.build("resnet18", num_classes=10), (3, 256, 256), batch_size=4, stages=2,
+                    schedule="mast", optimizer="adam", model_name="resnet18", profiles=profiles, recompute="auto", **kw)
+    budget = int(0.9 * made().peak_bytes)
+    device = made(memory_budget=budget)
+    assert device.fits and device.policies[0].kind == "recompute"
+    # at the default host rates (one CPU thread) the update costs more than recomputing two units
+    assert made(memory_budget=budget, state_placement="auto").policies == device.policies
+    fast = made(memory_budget=budget, state_placement="auto", host_update={"adam": 1e-13}, host_bandwidth=1e13)
+    assert fast.fits and fast.step_seconds < device.step_seconds
+    assert [(p.kind, p.state_placement) for p in fast.policies] == [("none", "host-optimizer"), ("none", "device")]
+    assert any("with every stage's state on the device and the memory policies it needs" in n for n in fast.notes)
 
 
 def test_auto_puts_the_weights_on_the_host_only_where_less_does_not_fit(small_groups):
