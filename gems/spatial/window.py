@@ -72,9 +72,7 @@ class Conv:
 
 @dataclass(frozen=True)
 class MaxPool:
-    """F.max_pool2d on a region (its indices kept for backward), in NHWC where that is faster
-    (``pools_nhwc``); the values and indices (row x width + column, whatever the layout) are the
-    same either way."""
+    """F.max_pool2d on a region (its indices kept for backward)."""
 
     kernel: tuple[int, int]
     stride: tuple[int, int]
@@ -83,11 +81,9 @@ class MaxPool:
     kept = 1
 
     def forward(self, region, weight, bias):
-        nhwc = pools_nhwc(region)
-        source = region.contiguous(memory_format=torch.channels_last) if nhwc else region
-        y, indices = torch.ops.aten.max_pool2d_with_indices(source, self.kernel, self.stride, self.padding,
+        y, indices = torch.ops.aten.max_pool2d_with_indices(region, self.kernel, self.stride, self.padding,
                                                             self.dilation, False)
-        return (y.contiguous(), (indices.contiguous(),)) if nhwc else (y, (indices,))
+        return y, (indices,)
 
     def place(self, kept, at: tuple[int, int], width: int, full: int):
         """The indices of a max pooling of a part of the region whose first element lies at
@@ -103,22 +99,6 @@ class MaxPool:
         gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, region, self.kernel, self.stride, self.padding,
                                                              self.dilation, False, kept[0])
         return gx, None, None
-
-
-# An NCHW region of fewer bytes pools faster copied to NHWC and back (``pools_nhwc``).
-NHWC_POOL_BYTES = 16 << 20
-
-
-def pools_nhwc(region: torch.Tensor) -> bool:
-    """Whether a max pooling of the NCHW CPU tensor ``region`` runs on an NHWC copy of it, its
-    results copied back to NCHW: PyTorch's NCHW kernel walks one channel's plane at a time, its
-    NHWC one vectorises over the channels. With both copies, on CPU: resnet18's stem pooling (3x3,
-    stride 2, 64 channels of 129 x 256) 16 -> 4.6 ms, 3x3 stride 1 on 128 x 256 47 -> 27 ms, 2x2
-    stride 2 on 4-8 MB 1.3-1.7x faster; at 32-64 MB the copies fall out of the cache and cost as
-    much as they save (2x2 on 64 x 256 x 512: 48 -> 77 ms), hence ``NHWC_POOL_BYTES``."""
-    return (region.device.type == "cpu" and region.dim() == 4 and region.shape[1] > 1
-            and formats.format_of(region) is torch.contiguous_format
-            and region.numel() * region.element_size() < NHWC_POOL_BYTES)
 
 
 class _Window(torch.autograd.Function):
