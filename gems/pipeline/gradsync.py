@@ -2,13 +2,13 @@
 
 One flat bucket per rank, one segment per stage it holds, each summed over the stage's sync group
 (the mirror group under ``mast``, the same position across groups otherwise, with every tile of
-a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the schedule's ``reduce`` action starts
-as soon as the stage's last backward on this rank is done (``start``; a stage whose sum runs on the host
-copy once that copy is done, ``progress``), so it overlaps the backward of the rank's other stage; ``sync``
-waits for them. A segment holds the stage's
-gradients -- ``param.grad`` are views of it, so backward accumulates straight into it -- then a
-copy of its floating buffers (BatchNorm running statistics), which the same call averages, so
-all copies of a stage stay identical. Every member starts its reduces in the schedule's one
+a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the schedule's ``reduce``
+action starts as soon as the stage's last backward on this rank is done (``start``; a stage summed
+on its host copy, once that copy is done: ``progress``), so it overlaps the backward of the rank's
+other stage; ``sync`` waits for them. A segment holds the stage's gradients -- ``param.grad`` are
+views of it, so backward accumulates straight into it -- then a copy of its floating buffers
+(BatchNorm running statistics), which the same call averages, so all copies of a stage stay
+identical. Every member starts its reduces in the schedule's one
 order (``gems.schedule.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
 in the same order: NCCL kernels of two communicators (a sync group's and the point-to-point one)
 may wait on each other if started in different orders, so they do not overlap there. BatchNorm
@@ -100,14 +100,11 @@ class GradSync:
                             "convert the model to one dtype before training")
         dtype = dtypes.pop() if dtypes else torch.float32
         sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
-        # a part whose parameters live on the host keeps only its statistics' copy in the bucket: its gradients
-        # are laid out as if there (the host copy's layout) but go to the host as backward makes them; a part
-        # whose optimizer lives on the host (``_lazy``) keeps its statistics' copy there too, its gradients in a
-        # segment of their own that exists only from the stage's first backward to its copy out (``gradients``)
+        # a part whose model state lives on the host keeps only its statistics' copy in the bucket: its gradients
+        # are laid out as if there (the host copy's layout) but go to the host as backward makes them (parameters
+        # on the host too, ``_placed``) or exist only from the stage's first backward to its copy out (``gradients``)
         self._placed = {k for k in params if k[0] in self._weights_on_host}
         self._lazy = {k for k in params if k[0] in self._on_host and k not in self._placed}
-        self._grads: dict[tuple[int, int], torch.Tensor] = {}   # the lazy parts' device gradients while they exist
-        self._grad_sizes = {k: g for k, (g, _) in sizes.items()}
         self.bucket = torch.zeros(sum(n + g * (k not in (self._placed | self._lazy)) for k, (g, n) in sizes.items()),
                                   dtype=dtype, device=device)
         # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
@@ -120,8 +117,8 @@ class GradSync:
         self._part_params = params   # per (stage, part), in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
-            if s in self._placed or s in self._lazy:   # offsets relative to the part only: its [offset, offset +
-                segment = self.bucket[offset:offset + n_stats]    # n_grad) is not its own
+            if s in self._placed or s in self._lazy:   # offsets relative to the part only (not into the bucket)
+                segment = self.bucket[offset:offset + n_stats]
                 self._segments[s] = (segment, segment[:0], segment, stats[s])
                 at = offset
                 for p in params[s]:
@@ -276,33 +273,19 @@ class GradSync:
         """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
         for _, grads, _, _ in self._segments.values():
             grads.zero_()
-        for key in list(self._grads):   # a step that ended early: the next starts from none
-            self._release(key)
         self.host.zero_grads()
 
-    @torch.no_grad()
     def gradients(self, stage: int) -> None:
-        """Before each backward of ``stage`` (or half of one): the device segment of each of its parts whose
-        optimizer lives on the host, zeros made at the step's first backward, every ``.grad`` a view of it
-        (``_copy_out`` copies it to the host after the last, and drops it)."""
+        """Before each backward of ``stage`` (or half of one): the device gradients of its parts on the
+        host, made at the step's first (``HostTier.gradients``; ``_copy_out`` drops them after the last)."""
         for key in self._lazy:
-            if key[0] == stage and key not in self._grads and self._grad_sizes[key]:
-                params = self._part_params[key]
-                lo, _ = self._span(params)
-                grads = self._grads[key] = self.bucket.new_zeros(self._grad_sizes[key])
-                for p in params:
-                    p.grad = formats.like(grads[self._offsets[id(p)] - lo:][:p.numel()], p)
-
-    def _release(self, key: tuple[int, int]) -> None:
-        """Drop part ``key``'s device gradients (``gradients`` made them)."""
-        del self._grads[key]
-        for p in self._part_params[key]:
-            p.grad = None
+            if key[0] == stage:
+                self.host.gradients(key)
 
     def start(self, stage: int) -> None:
         """Start summing ``stage``'s segment over the sync group (its backward is complete here); a
-        part on the host is copied out first (CUDA: its sum is posted at the sync, once the copy is
-        done). COLLECTIVE over the sync group, in the schedule's order of reduces."""
+        part on the host is copied out first (CUDA: its sum is posted once the copy is done, by
+        ``progress`` or at the sync). COLLECTIVE over the sync group, in the schedule's order of reduces."""
         for key, (_, group, _) in self._parts.items():
             if key[0] != stage:
                 continue
@@ -331,12 +314,9 @@ class GradSync:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
 
     def _copy_out(self, key: tuple[int, int]) -> None:
-        """Part ``key``'s gradients and statistics (gathered into their copy) on their way to the host; the
-        device's gradients are dropped then."""
+        """Part ``key``'s gradients and statistics (gathered into their copy) on their way to the host."""
         self._gather_statistics(key)
-        self.host.copy_out(key, self._grads.get(key), self._segments[key][2])
-        if key in self._grads:
-            self._release(key)
+        self.host.copy_out(key, self._segments[key][2])
 
     def _summed(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """Part ``key``'s (segment, gradients, statistics' copy, statistics buffers) where it is summed:

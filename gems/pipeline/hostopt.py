@@ -54,7 +54,9 @@ class _Part:
     host_params: torch.Tensor     # its host copy, which the optimizer updates
     segment: torch.Tensor         # host copy of the device segment: gradients, then statistics
     grads: int                    # elements of gradients in the segment
+    views: list[tuple[nn.Parameter, int]]   # each device parameter and where its gradient starts in them
     copied: object = None         # CUDA: the event after this step's copy out; CPU: True once copied
+    device_grads: torch.Tensor | None = None   # the device's gradients, from the first backward to the copy out
 
     @property
     def weights(self) -> bool:
@@ -130,8 +132,27 @@ class HostTier:
                 self._weights.add(id(p))
             if staging is not None:
                 self._staged[id(p)] = _Staged(formats.like(staging[offset:offset + p.numel()], p))
-        self._parts[key] = _Part(None if weights else flat, host_params, host_segment, flat.numel())
+        self._parts[key] = _Part(None if weights else flat, host_params, host_segment, flat.numel(),
+                                 list(zip(params, offsets)))
         return host_params
+
+    @torch.no_grad()
+    def gradients(self, key: tuple[int, int]) -> None:
+        """Before a backward of part ``key``'s stage: its device gradients, zeros made at the step's first
+        (every device parameter's ``.grad`` a view of them), for backward to accumulate into until
+        ``copy_out`` drops them; nothing for a part whose weights live here (``grad_out`` takes those)."""
+        part = self._parts[key]
+        if part.weights or part.device_grads is not None or not part.grads:
+            return
+        part.device_grads = torch.zeros_like(part.device_params)
+        for p, offset in part.views:
+            p.grad = formats.like(part.device_grads[offset:offset + p.numel()], p)
+
+    def _drop(self, part: _Part) -> None:
+        """Part ``part``'s device gradients gone (``gradients`` makes them anew)."""
+        part.device_grads = None
+        for p, _ in part.views:
+            p.grad = None
 
     def _allocate(self, like: torch.Tensor, more: int = 0) -> torch.Tensor:
         """Host memory for ``like``'s elements and ``more`` (pinned on CUDA), GemsError when there is none."""
@@ -173,14 +194,16 @@ class HostTier:
         """(host parameter, its gradient's place in the host segment) of every part."""
         return self._views
 
-    def copy_out(self, key: tuple[int, int], grads: torch.Tensor | None, statistics: torch.Tensor) -> None:
-        """Start copying part ``key``'s device ``grads`` (its backward is done; None for a part whose
-        weights live here: its gradients are here already) and ``statistics`` to the host. On CUDA the
-        gradients' memory is not reused before the copy has read it, so the caller may drop them now."""
+    def copy_out(self, key: tuple[int, int], statistics: torch.Tensor) -> None:
+        """Start copying part ``key``'s device gradients (its backward is done; a part whose weights live
+        here has its gradients here already) and the device copy of its ``statistics`` to the host, and
+        drop the device's gradients (on CUDA their memory is reused only once the copy has read it)."""
         part = self._parts[key]
+        grads = part.device_grads
         pairs = [(part.segment[part.grads:], statistics)]
         if grads is not None:
             pairs.append((part.segment[:part.grads], grads))
+            self._drop(part)
         with self.timed(f"copy-out s{key[0]}"):
             if self._stream is None:
                 for target, source in pairs:
@@ -229,10 +252,13 @@ class HostTier:
 
     @torch.no_grad()
     def zero_grads(self) -> None:
-        """Clear the host gradients that ``grad_out`` adds into (after every step, applied or not)."""
+        """Clear the host gradients that ``grad_out`` adds into, and drop device gradients a step that
+        ended early left (after every step, applied or not)."""
         for part in self._parts.values():
             if part.weights:
                 part.segment[:part.grads].zero_()
+            elif part.device_grads is not None:
+                self._drop(part)
 
     def arrived(self, key: tuple[int, int]) -> bool:
         """Whether part ``key``'s copy out has completed, so its sum can be posted without waiting (never
