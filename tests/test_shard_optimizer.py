@@ -14,7 +14,7 @@ import gems
 from gems import models
 from gems.comm import loopback
 from gems.obs import memory
-from gems.pipeline.gradsync import _share
+from gems.pipeline.shares import split_among
 
 from equivalence import build, data, make_plan, optimizer, run_loopback
 
@@ -35,7 +35,7 @@ def test_sharded_optimizer_with_clipping_and_batchnorm():
 def test_each_member_takes_whole_parameters_of_about_equal_elements():
     def shared(sizes, n):
         params = [nn.Parameter(torch.zeros(k)) for k in sizes]
-        ordered, bounds = _share(params, n)
+        ordered, bounds = split_among(params, n)
         assert sorted(map(id, ordered)) == sorted(map(id, params))
         runs = [ordered[a:b] for a, b in zip(bounds, bounds[1:])]
         index = {id(p): i for i, p in enumerate(params)}

@@ -34,9 +34,9 @@ gradients' offsets lay out the host copy alone).
 
 A second, world-wide allreduce carries the step's loss and, for clipping, the squared global
 gradient norm (each stage counted once, by its copy on group 0 at the position equal to the
-stage; sharded, each parameter by its owner). A step whose loss is not finite is not applied and leaves no trace: the optimizer is
-skipped and every buffer (statistics and counters such as ``num_batches_tracked``) goes back
-to its value before the step; deferred BatchNorm sums are dropped unwritten.
+stage; sharded, each parameter by its owner). A step whose loss is not finite is not applied and
+leaves no trace: the optimizer is skipped and every buffer goes back to its value before the step
+(``gems.pipeline.rollback``).
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.hostopt import PLACEMENT, HostTier
 from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
+from gems.pipeline.rollback import Rollback
+from gems.pipeline.shares import split_among
 from gems.plan import formats
 from gems.schedule.topology import Topology
 
@@ -92,9 +94,10 @@ class GradSync:
         params = {k: [p for p in m.parameters() if p.requires_grad] for k, (m, _, _) in self._parts.items()}
         stats = {k: [b for b in m.buffers() if b.is_floating_point() and id(b) not in kept]
                  for k, (m, _, _) in self._parts.items()}
-        self._stats_buffers = [b for bs in stats.values() for b in bs]
-        self._counters = [b for s in stages.values() for b in s.buffers() if not b.is_floating_point()]
-        dtypes = {t.dtype for ps in params.values() for t in ps} | {b.dtype for b in self._stats_buffers}
+        statistics = [b for bs in stats.values() for b in bs]
+        counters = [b for s in stages.values() for b in s.buffers() if not b.is_floating_point()]
+        self._rollback = Rollback(statistics + counters)   # what a step that is not applied puts back
+        dtypes = {t.dtype for ps in params.values() for t in ps} | {b.dtype for b in statistics}
         if len(dtypes) > 1:
             raise GemsError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}: "
                             "convert the model to one dtype before training")
@@ -136,8 +139,6 @@ class GradSync:
                 self._offsets[id(p)] = offset
                 offset += p.numel()
             offset += n_stats
-        self._stats_before = torch.empty(sum(n for _, n in sizes.values()), dtype=dtype, device=device)
-        self._counters_before = [c.clone() for c in self._counters]
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
         # sharded: per (stage, part), its flat parameter buffer and where each member's run starts in it (and
@@ -158,7 +159,7 @@ class GradSync:
     def optimized(self, shard: bool) -> list[nn.Parameter]:
         """The parameters this rank's optimizer updates: all it holds, or with ``shard`` its share of
         each part's (a stage, or a tiled stage's tiled units and untiled rest) -- whole parameters,
-        about 1/n of the elements for each of the n members of the part's sync group (``_share``: the
+        about 1/n of the elements for each of the n members of the part's sync group (``split_among``: the
         same split on every member), the part's gradients laid out again in the bucket by owner so
         that each member's are contiguous; the others' new values arrive after each step
         (``share``). Sharded, a part's parameters become views of one flat buffer laid out as their
@@ -171,7 +172,7 @@ class GradSync:
             group = self._parts[key][1]
             bounds = None
             if sharded and group is not None:
-                mine, bounds = _share(mine, group.size)
+                mine, bounds = split_among(mine, group.size)
                 self._lay_out(key, mine)
             flat = self._hold_on_host(key, mine) if key[0] in self._on_host and mine else None
             if bounds is None:   # no other copy, or not sharded
@@ -264,10 +265,7 @@ class GradSync:
         self._attach()
         for _, norms in self.batch_norms:
             norms.begin_step()
-        if self._stats_buffers:
-            torch.cat([b.reshape(-1) for b in self._stats_buffers], out=self._stats_before)
-        for c, before in zip(self._counters, self._counters_before):
-            before.copy_(c)
+        self._rollback.remember()
 
     def zero_grads(self) -> None:
         """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
@@ -388,9 +386,7 @@ class GradSync:
         step's new parameters reach the other members by ``share``."""
         applied = bool(torch.isfinite(self._scalars[0]))
         if not applied:
-            self._scatter(self._stats_before, self._stats_buffers)
-            for c, before in zip(self._counters, self._counters_before):
-                c.copy_(before)
+            self._rollback.restore()
         else:
             if self.clip_grad_norm is not None:
                 self.last_grad_norm = math.sqrt(float(self._scalars[1]))
@@ -407,23 +403,6 @@ class GradSync:
             for _, norms in self.batch_norms:
                 norms.update()
         return applied
-
-
-def _share(params: list[nn.Parameter], n: int) -> tuple[list[nn.Parameter], list[int]]:
-    """``params`` in the order of their owners and n + 1 boundaries: member k updates
-    ``ordered[b[k]:b[k + 1]]``. Whole parameters, largest first to the member with the fewest
-    elements so far (the longest-processing-time rule: a few large weights -- resnet18's four 2.4M
-    convolutions of 11.2M elements -- would leave contiguous runs 54 : 46), each member's in their
-    given order; no member empty unless there are fewer parameters than members."""
-    if len(params) < n:
-        return list(params), [min(k, len(params)) for k in range(n + 1)]
-    loads, owner = [0] * n, [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        owner[i] = min(range(n), key=lambda k: (loads[k], k))
-        loads[owner[i]] += params[i].numel()
-    ordered = [p for k in range(n) for p, o in zip(params, owner) if o == k]
-    counts = [owner.count(k) for k in range(n)]
-    return ordered, [sum(counts[:k]) for k in range(n + 1)]
 
 
 def _reattach(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
