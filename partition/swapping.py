@@ -73,13 +73,18 @@ def group_bytes(units: Sequence[UnitProfile], groups: Sequence[Sequence[int]], f
 
 def resident_bytes(held: Sequence[tuple[Sequence[UnitProfile], Sequence[Sequence[int]], int]], cuda: bool) -> int:
     """What the weight groups of a position's host stages hold on its device at most (``held``: per host
-    stage, its units, its groups, its first unit): the largest group and as much again for its
-    gradients (each leaves as autograd makes it, but on CPU ranks gpipe's second backward was measured
-    holding two groups' worth: resnet18 64^2 K=2 m=2, position 1, 82.52 MiB against 82.56 priced), and on
-    CUDA the largest group's weights once more, the next group copied in meanwhile (where there is
-    another; nothing is prefetched on CPU)."""
+    stage, its units, its groups, its first unit): the largest group's weights -- each gradient leaves for
+    the host as autograd makes it (the largest is priced as its unit's backward working memory):
+    resnet18 64^2, gpipe K = 1, m = 1, 2, 4, one group: 67.32, 67.35, 58.49 MiB measured against 67.7
+    priced --, and as much again where a stage has several groups, whose group-major backward
+    (``gems.pipeline.grouping``) gets a group's gradients at once; on CUDA as much again for the
+    gradients on their way out, and the largest group's weights once more for the next group, copied in
+    meanwhile (where there is another; nothing is prefetched on CPU)."""
     weights = [size for units, groups, first in held for size in group_bytes(units, groups, first)]
-    return (3 if cuda and len(weights) > 1 else 2) * max(weights, default=0)
+    if cuda:
+        return (3 if len(weights) > 1 else 2) * max(weights, default=0)
+    several = any(len(groups) > 1 for _, groups, _ in held)
+    return (2 if several else 1) * max(weights, default=0)
 
 
 def swap_volume(actions: list[ir.Action], stages: dict[int, tuple[int, int]], grouped: bool) -> tuple[int, int]:

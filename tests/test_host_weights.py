@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import gems
+from gems import partition
 from gems.comm import loopback
 from gems.errors import GemsError
+from gems.obs import memory
 from gems.pipeline import compiled
 from gems.schedule import generators as sch
 
@@ -187,6 +189,31 @@ def test_a_group_is_on_the_device_only_while_its_units_run():
     assert loads == steps * actions * units   # once per action per group
     params = sum(p.numel() * 4 for p in build("transparency").parameters())
     assert bytes_in == steps * actions * params and bytes_out == steps * 2 * params   # gradients: per backward
+
+
+def test_a_saved_view_of_a_weight_holds_no_copy_of_its_group():
+    """A linear layer saves ``weight.t()``, a view of its parameter, for backward: kept as is, it held the
+    group's whole device buffer from each forward to its backward -- one copy of the group per
+    micro-batch in flight (resnet18 64^2 on one rank, gpipe m = 4: 186 MiB measured against 110 priced).
+    Packed like the parameter itself, gpipe m = 4 peaks no higher than m = 1 (8 MiB of weights in the head)."""
+    def peak(m: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 1024),
+                              nn.ReLU(), nn.Linear(1024, 4))
+        plan = partition.plan(model, (3, 16, 16), batch_size=4, stages=1, schedule="gpipe", micro_batches=m,
+                              device="cpu", state_placement="host")
+        def rank(comm):
+            engine = _engine(comm, copy.deepcopy(plan), copy.deepcopy(model))
+            images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+            engine.step(images, labels)
+            meter = memory.PeakMeter(engine.device)
+            meter.start(memory.engine_tensors(engine))
+            engine.step(images, labels)
+            return meter.stop()
+        return loopback.run(1, rank, timeout=30)[0]
+    with memory.PeakMeter("cpu"):   # the profiler's one warning spent here, not in a rank
+        pass
+    assert peak(4) < peak(1) + 2**20
 
 
 def test_recompute_and_split_backward_bring_groups_back_on_demand():

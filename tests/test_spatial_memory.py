@@ -76,16 +76,15 @@ def _within(results: list[tuple[int, int]], over: float = 0.10, under: float = 0
     assert all(-under <= e <= over for e in errors), [f"{e:+.1%}" for e in errors]
 
 
-@pytest.mark.parametrize("placement,over", [("device", 0.10), ("host-optimizer", 0.10), ("host", 0.65)])
-def test_a_resnet_on_one_tile_group_peaks_as_estimated(placement, over):
+@pytest.mark.parametrize("placement", ["device", "host-optimizer", "host"])
+def test_a_resnet_on_one_tile_group_peaks_as_estimated(placement):
     """resnet18 at 256^2 on 2 tiles: the peak falls in layer4's backward, 9 MiB weight gradients and
     their kernels' copies whole on each tile beside a tile of small activations (priced at a
     tile's share, the estimate was 5% low). With the optimizer on the host, the member's estimate
     leaves its state out too (it was the device's, 72% high); with the parameters there too, it counts
-    the resident weight group (it was 56% low). That bound holds a group's weights and as much again for
-    its gradients, which one backward hands to the host as it makes them: ~60% high here."""
+    the resident weight group (it was 56% low)."""
     _within(_measured(models.build("resnet18", num_classes=CLASSES), 256, 2, False, stages=1, schedule="mp",
-                      spatial=2, state_placement=placement), over=over)
+                      spatial=2, state_placement=placement))
 
 
 def test_a_unet_under_mast_peaks_as_estimated_on_every_rank():

@@ -18,7 +18,10 @@ parameters are views of. A stage of groups g0 g1 g2, one forward action and its 
   The stage's forward runs under ``saving``'s ``saved_tensors_hooks``: a saved parameter of the stage
   packs to a token (its group and itself), and unpacking it loads the group again -- "comes back for
   its backward", on demand, in the order backward needs the groups -- and hands autograd the
-  parameter, its values resident. Everything else goes to the hooks it composes with (the stage's
+  parameter, its values resident. A saved view of a parameter (a linear layer saves ``weight.t()``)
+  packs so too, with its geometry, and comes back as that view of the resident values: kept as is, it
+  would hold the whole group's device buffer until its backward, a copy of the group's weights per
+  micro-batch in flight. Everything else goes to the hooks it composes with (the stage's
   offload, ``gems.pipeline.offload``) or is kept as is. Under bf16 autocast the saved weight is the
   cast copy (a non-leaf made while the group was resident): it is an activation like any other, kept
   on the device or offloaded by the stage's policy, and never refers to the parameter's storage.
@@ -82,12 +85,20 @@ class _Group:
 
 
 class _SavedWeight:
-    """What autograd keeps for a saved parameter of a host stage: the parameter and its group."""
+    """What autograd keeps for a saved parameter of a host stage, or a view of one: the parameter, its
+    group and, for a view, its geometry (size, stride, offset from the parameter's own)."""
 
-    __slots__ = ("param", "group")
+    __slots__ = ("param", "group", "view")
 
-    def __init__(self, param: nn.Parameter, group: _Group) -> None:
-        self.param, self.group = param, group
+    def __init__(self, param: nn.Parameter, group: _Group, view: tuple | None = None) -> None:
+        self.param, self.group, self.view = param, group, view
+
+    def unpacked(self) -> torch.Tensor:
+        """The parameter, or its view again (on the parameter's values now resident)."""
+        if self.view is None:
+            return self.param
+        size, stride, offset = self.view
+        return self.param.detach().as_strided(size, stride, self.param.storage_offset() + offset)
 
 
 def _kept(t):
@@ -238,12 +249,16 @@ class HostWeights:
             found = self._of.get(id(t))
             if found is not None and found[0] is t:
                 return _SavedWeight(*found)
+            base = t._base   # a view of a parameter (a linear layer saves weight.t()) would keep the whole
+            found = self._of.get(id(base)) if base is not None else None   # group's buffer alive
+            if found is not None and found[0] is base:
+                return _SavedWeight(*found, (t.size(), t.stride(), t.storage_offset() - base.storage_offset()))
             return pack_inner(t)
 
         def unpack(item):
             if isinstance(item, _SavedWeight):
                 self._load(item.group)
-                return item.param
+                return item.unpacked()
             return unpack_inner(item)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
