@@ -45,7 +45,9 @@ parameters are views of. A stage of groups g0 g1 g2, one forward action and its 
   the statistics are updated by the forward and averaged through the segment as under
   ``host-optimizer``.
 
-Transfers are counted (``loads``, ``bytes_in``; gradients: ``bytes_out``). On CUDA the copies in run
+Transfers are counted (``loads``, ``bytes_in``; gradients: ``bytes_out``). A group whose host copies lie
+back to back (as the host tier lays a part out, but for a sharded part's reordering) comes in one copy,
+else one per parameter. On CUDA the copies in run
 on a copy stream after the compute stream's work so far, in pinned host memory; loading a group also
 starts the copy of the group expected next (forward: the following, backward: the one before), which
 the compute stream waits for (an event) only when that group is used, so at most two groups are on
@@ -74,11 +76,12 @@ class _Group:
     device buffer they are views of; ``waiting``: ids of those whose gradient this backward has yet to
     hand over."""
 
-    __slots__ = ("index", "params", "hosts", "numel", "buffer", "waiting", "arriving")
+    __slots__ = ("index", "params", "hosts", "numel", "span", "buffer", "waiting", "arriving")
 
     def __init__(self, index: int, params: list[nn.Parameter], hosts: list[torch.Tensor]) -> None:
         self.index, self.params, self.hosts = index, params, hosts
         self.numel = sum(h.numel() for h in hosts)
+        self.span = _span(hosts)   # the host copies as one flat run, where they are one: one copy moves them
         self.buffer: torch.Tensor | None = None
         self.waiting: set[int] = set()
         self.arriving: torch.cuda.Event | None = None   # CUDA, prefetched: the end of its copy, not yet waited for
@@ -103,6 +106,21 @@ class _SavedWeight:
 
 def _kept(t):
     return t
+
+
+def _span(hosts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``hosts`` as one flat view where they lie back to back in one storage, each dense (the host tier
+    lays a part's parameters out so, but for a sharded part's reordering); else None."""
+    if not hosts:
+        return None
+    storage = hosts[0].untyped_storage().data_ptr()
+    at = hosts[0].storage_offset()
+    for h in hosts:
+        dense = h.is_contiguous() or h.is_contiguous(memory_format=torch.channels_last)
+        if h.untyped_storage().data_ptr() != storage or h.storage_offset() != at or not dense:
+            return None
+        at += h.numel()
+    return hosts[0].as_strided((at - hosts[0].storage_offset(),), (1,), hosts[0].storage_offset())
 
 
 class HostWeights:
@@ -184,14 +202,15 @@ class HostWeights:
         for h in group.hosts:
             views.append(formats.like(buffer[offset:offset + h.numel()], h))   # the host copy's format
             offset += h.numel()
+        pairs = [(buffer, group.span)] if group.span is not None else list(zip(views, group.hosts))
         if self._stream is None:
-            for view, h in zip(views, group.hosts):
+            for view, h in pairs:
                 view.copy_(h)
         else:
             compute = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(compute)   # the buffer's memory is free in the compute stream's order
             with torch.cuda.stream(self._stream):
-                for view, h in zip(views, group.hosts):
+                for view, h in pairs:
                     view.copy_(h, non_blocking=True)
                 if not wait:
                     group.arriving = torch.cuda.Event()
