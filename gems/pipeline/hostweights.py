@@ -270,7 +270,7 @@ class HostWeights:
                 return _SavedWeight(*found)
             base = t._base   # a view of a parameter (a linear layer saves weight.t()) would keep the whole
             found = self._of.get(id(base)) if base is not None else None   # group's buffer alive
-            if found is not None and found[0] is base:
+            if found is not None and found[0] is base and t.dtype == base.dtype:
                 return _SavedWeight(*found, (t.size(), t.stride(), t.storage_offset() - base.storage_offset()))
             return pack_inner(t)
 
