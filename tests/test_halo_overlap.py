@@ -1,6 +1,7 @@
 """The forward that computes a tile's interior while its halo travels (``gems.spatial.window``) equals
 the forward that waits for the halo first, output, kept indices and gradients (1e-6), and the
-geometry that decides which rows are interior (``gems.spatial.geometry.Sliding``).
+geometry that decides which rows are interior (``gems.spatial.geometry.Sliding``); a max pooling in NHWC
+blocks equals PyTorch's NCHW one.
 """
 from __future__ import annotations
 
@@ -98,3 +99,19 @@ def test_a_small_tile_of_a_wide_convolution_waits_for_its_halo():
     assert window.worth_alone(64 * 128, 64 * 9) and not window.worth_alone(8 * 16, 512 * 9)
     assert window.alone_cheaper(256, 64) and not window.alone_cheaper(64, 256)
     assert window.border_first(64 * 128, 64 * 9) and not window.border_first(32 * 64, 128 * 9)
+
+
+def test_a_max_pooling_in_nhwc_blocks_equals_pytorchs_nchw_one():
+    """A region large enough pools in NHWC blocks of channels (``window.nhwc_block``; 20 channels: two
+    blocks of 8 and one of 4): the same values and indices as PyTorch's NCHW kernel, ReLU's tied
+    zeros and NaN included."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 20, 130, 128).relu()
+    x[1, 17, 50, 51:53] = math.nan
+    op = window.MaxPool((3, 3), (2, 2), (1, 1), (1, 1))
+    assert window.nhwc_block(x, (3, 3)) == window.NHWC_CHANNELS
+    assert not window.nhwc_block(x[:, :4], (3, 3)) and not window.nhwc_block(x, (2, 2))
+    y, (indices,) = op.forward(x, None, None)
+    expected, expected_indices = torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1], [1, 1], False)
+    assert torch.equal(y.nan_to_num(-1.0), expected.nan_to_num(-1.0)) and torch.equal(indices, expected_indices)
+    assert y.is_contiguous() and indices.is_contiguous()

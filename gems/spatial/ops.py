@@ -336,12 +336,12 @@ def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd:
                 weight: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
     """dx = invstd·(weight·dy - m1 - x̂·m2) per channel (dim 1), ``m1``, ``m2`` the means of
     weight·dy and weight·dy·x̂ over the channel's statistics' elements: a·dy + b·x + c, two fused
-    passes."""
+    passes into one new tensor."""
     a = invstd * weight
     b = -invstd * invstd * m2               # coefficient of x
     c = -invstd * m1 - b * mean             # the rest
     view = (1, -1) + (1,) * (x.dim() - 2)
-    return torch.addcmul(torch.addcmul(c.view(view), x, b.view(view)), grad, a.view(view))
+    return torch.addcmul(c.view(view), x, b.view(view)).addcmul_(grad, a.view(view))
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
