@@ -3,7 +3,7 @@ state and its update on the host (KARMA's host-side update, ZeRO-Offload's CPU o
 
 For each part of such a stage (``GradSync``'s segments), the device keeps the parameters, and the
 gradient segment that backward accumulates into only from the stage's first backward of the step to its
-copy out (``GradSync.gradients``: no bucket holds it the rest of the step); this tier keeps, in host
+copy out (``gradients``, before each backward; no bucket holds it the rest of the step); this tier keeps, in host
 memory allocated once before the first step (pinned where the device is CUDA; on CPU ranks a pool of
 its own, filled only by copy):
 
@@ -103,7 +103,8 @@ class HostTier:
 
     @property
     def asynchronous(self) -> bool:
-        """Whether a copy out completes later (CUDA), so the collective on it is posted at the sync."""
+        """Whether a copy out completes later (CUDA), so the collective on it is posted once the copy has
+        arrived (``arrived``, ``GradSync.progress``) or at the sync."""
         return self.pin
 
     def add(self, key: tuple[int, int], statistics: torch.Tensor, flat: torch.Tensor, params: list[nn.Parameter],
