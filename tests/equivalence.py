@@ -271,6 +271,14 @@ def check_copies(where: str, state: dict[str, torch.Tensor], copies: list[dict[s
     return shared
 
 
+def check_same_run(where: str, a: Result, b: Result) -> None:
+    """Two runs of one rank (placements of its model state, say) agree bit for bit: losses and every
+    entry this rank holds."""
+    differ = [k for k, v in a.stage_state.items() if not torch.equal(v, b.stage_state[k])]
+    if differ or a.losses != b.losses:
+        raise Mismatch(f"{where}: {differ[:3]} differ, losses {b.losses} and {a.losses}")
+
+
 # ---------------------------------------------------------------- drivers
 def run(comm, kind: str, schedule: str, K: int, m: int, steps: int, rtol: float,
         clip: float | None = None, side: int = SIDE, policy: str = "none", memory_format: str = "contiguous",

@@ -40,7 +40,8 @@ import gems  # noqa: E402
 from gems import comm as comm_lib  # noqa: E402
 from gems.schedule.generators import SCHEDULES  # noqa: E402
 
-from equivalence import OPTIMIZERS, POLICIES, SIDE, build, data, make_plan, optimizer, run, train  # noqa: E402
+from equivalence import (OPTIMIZERS, POLICIES, SIDE, build, check_same_run, data, make_plan,  # noqa: E402
+                         optimizer, run, train)
 
 
 def fail(comm, how: str) -> None:
@@ -72,10 +73,8 @@ def placements(comm, steps: int, K: int = 2) -> None:
             device, host = [train(comm, build("transparency"), make_plan("transparency", "mast", K, 1, D, shard=shard,
                                                                          placement=placement), steps, optim=optim)
                             for placement in ("device", "host-optimizer")]
-            differ = [k for k, v in device.stage_state.items() if not torch.equal(v, host.stage_state[k])]
-            if differ or device.losses != host.losses:
-                raise AssertionError(f"rank {comm.rank}: host-optimizer differs from device under mast {optim} "
-                                     f"shard={shard}: {differ[:3]}, losses {host.losses} and {device.losses}")
+            check_same_run(f"rank {comm.rank}, host-optimizer against device under mast {optim} shard={shard}",
+                           device, host)
             if comm.rank == 0:
                 print(f"ok placements mast K={K} D={D} {optim} shard={shard}: host-optimizer equals device bit for bit",
                       flush=True)

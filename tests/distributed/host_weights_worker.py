@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: run as 
 
 from gems import comm as comm_lib  # noqa: E402
 
-from equivalence import build, make_plan, train  # noqa: E402
+from equivalence import build, check_same_run, make_plan, train  # noqa: E402
 
 
 def main() -> None:
@@ -27,10 +27,7 @@ def main() -> None:
                               make_plan("transparency", "mast", K, 1, D, shard=True, placement=placement,
                                         group_units=1 if placement == "host" else 0), 3, optim="adamw")
                         for placement in ("device", "host")]
-        differ = [k for k, v in device.stage_state.items() if not torch.equal(v, host.stage_state[k])]
-        if differ or device.losses != host.losses:
-            raise AssertionError(f"rank {comm.rank}: host differs from device: {differ[:3]}, losses {host.losses} "
-                                 f"and {device.losses}")
+        check_same_run(f"rank {comm.rank}, host against device", device, host)
         if comm.rank == 0:
             print(f"ok host weights mast K={K} D={D} adamw shard: host equals device bit for bit", flush=True)
 
