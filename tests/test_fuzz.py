@@ -240,6 +240,22 @@ def test_damaged_plan_files_given_to_gems_train(assets, data, tmp_path_factory):
     assert_clean("gems-train", argv, status, err)
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"input_shape": []}, "input shape [] is not a sample's shape"),
+    ({"fits": False, "memory_budget": None}, "says whether it fits (fits: false) but has no memory budget"),
+])
+def test_plans_hypothesis_found_are_refused_in_one_sentence(assets, tmp_path, edit, message):
+    """Two damaged plans the fuzzing above once turned into tracebacks."""
+    from gems.cli.train import main  # noqa: PLC0415
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(json.loads(Path(assets["plan"]).read_text()) | edit))
+    argv = ["--model", TINY, "--image-size", "32", "--batch-size", "2", "--stages", "1", "--schedule", "mp",
+            "--no-progress", "--workers", "0", "--plan", str(path), "--dry-run"]
+    status, _, err = invoke(main, argv)
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("change, message", [
     (["--image-size", "64"], "was made for inputs of 3x32x32, not 3x64x64"),
     (["--model", "resnet18"], "was made for a model of 5 units (0..4), but resnet18 has 10 units (stem..head)"),

@@ -307,6 +307,12 @@ class Plan:
         if not ok:
             raise GemsError(f"the plan's cuts {self.cuts} do not split its {n} units into {K} non-empty stages: "
                             f"use {K + 1} increasing cut points from 0 to {n}")
+        if len(self.input_shape) < 2 or any(d <= 0 for d in self.input_shape):
+            raise GemsError(f"the plan's input shape {list(self.input_shape)} is not a sample's shape (channels, then "
+                            "height and width, each at least 1): regenerate it with gems-plan --json")
+        if self.fits is not None and self.memory_budget is None:
+            raise GemsError(f"the plan says whether it fits (fits: {str(self.fits).lower()}) but has no memory budget: "
+                            "give its memory_budget, set fits to null, or regenerate it with gems-plan --json")
         if len(self.policies) != K:
             raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
         if self.forward_bytes and len(self.forward_bytes) != K:
