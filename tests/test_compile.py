@@ -1,17 +1,17 @@
 """Compiled stages (gems.pipeline.compiled): stages compiled before the first step train as eager does.
 
 Each layout trains a tiny model of tests/equivalence.py for 3 steps on loopback ranks with every unit
-compiled (inductor, fixed shapes, one graph per run of units), under a memory policy, and compares the state
+compiled (fixed shapes, one graph per run of units), under a memory policy, and compares the state
 and losses with eager within 1e-4 (fp32): with one process for the model without BatchNorm, with the
 eager engine on the same layout for the one with BatchNorm (whose statistics depend on the layout).
 Every rank then reports 0 recompiles: its units compiled in the warm-up and never again. The
 module's runs share one compile cache; the layouts are few, each covering several things (a schedule,
 D, a policy, a BatchNorm mode), since each compiles. What gems does with a compiled run -- warm-ups,
 guards, variants, recompiles, fallbacks -- is dynamo's and AOTAutograd's side, whatever generates the
-code: most tests compile with ``aot_eager`` (the same graphs, run by the eager kernels: seconds, not
-the minute of inductor's C++ code generation), and inductor runs where its code matters most (bf16
-autocast with recompute; ``GEMS_TEST_COMPILE_BACKEND=inductor`` for all). gems-bench's recipe runs
-(benchmarks/README.md) compile with inductor.
+code: the tests compile with ``aot_eager`` (the same graphs, run by the eager kernels: seconds, not
+inductor's C++ code generation, 20-30 s for even one graph here; ``GEMS_TEST_COMPILE_BACKEND=inductor``
+runs them all with inductor). Real runs compile with inductor, as do gems-bench's recipe runs
+(benchmarks/README.md) and ``make gpu-check``'s.
 """
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ def graphs_run_eagerly(monkeypatch):
     """dynamo and AOTAutograd as in a real run, the graphs run by eager kernels (module docstring);
     ``GEMS_TEST_COMPILE_BACKEND=inductor`` runs every test with inductor."""
     monkeypatch.setattr(compiled, "BACKEND", os.environ.get("GEMS_TEST_COMPILE_BACKEND", "aot_eager"))
-
-
-def inductor(monkeypatch) -> None:
-    """This test's graphs compiled by inductor, as a real run's are."""
-    monkeypatch.setattr(compiled, "BACKEND", "inductor")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,11 +118,12 @@ def test_forward_only_steps_compile_their_variant_alone():
 
 
 def test_under_autocast_nothing_recompiles(monkeypatch):
-    """bf16 autocast and recompute: each unit's variant under autocast compiles in the warm-up. One rank: with several loopback ranks, a thread tracing under
-    autocast and another casting eagerly deadlock on autocast's cast cache in torch 2.14 (one process
-    per rank never meets it). bf16 rounds differently compiled (intermediates kept in fp32): the losses
-    agree to bf16's precision."""
-    inductor(monkeypatch)
+    """bf16 autocast and recompute: each unit's variant under autocast compiles in the warm-up. A
+    recompile is a guard of dynamo's failing, the same whichever backend compiles the graphs, so the
+    module's aot_eager serves. One rank: with several
+    loopback ranks, a thread tracing under autocast and another casting eagerly deadlock on autocast's
+    cast cache in torch 2.14 (one process per rank never meets it). The losses agree to bf16's precision
+    (a compiled graph may keep intermediates in fp32)."""
     compiled_run, = train("transparency", "gpipe", 1, 2, 1, "recompute", "micro-batch", compile=True,
                           autocast=torch.bfloat16)
     eager, = train("transparency", "gpipe", 1, 2, 1, "recompute", "micro-batch", compile=False,
