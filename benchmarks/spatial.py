@@ -16,8 +16,11 @@ rank in step:
 * ``one rank`` (``--one-rank``): plain PyTorch on the whole image on rank 0 while the others wait;
   ``mp`` (``--mp``): K = ranks, the planner's cut.
 
-Prints the median step of each, spatial's ratio to the ceiling (issue 36 holds resnet18 at 512^2 on
-2 CPU ranks to at least 0.85), and where spatial's step goes on each rank, medians over the steps
+The ceiling and spatial steps alternate, one of each per round, so that a machine whose speed drifts
+during the launch (a shared host's cores do, by tens of percent over seconds) slows both alike.
+Prints the median step of each, spatial's ratio to the ceiling -- the median over the rounds of
+the ceiling's step over spatial's, with its range (issue 36 holds resnet18 at 512^2 on 2 CPU ranks
+to at least 0.85) -- and where spatial's step goes on each rank, medians over the steps
 (``gems.obs.trace`` kinds, from the engine's timeline): compute (forward and backward less the
 waits inside them), the tile group's halo, statistics and gather waits, the gradient allreduce,
 the optimizer, the rest; ``--layers N``: the N layers that wait longest. Not part of the installed
@@ -53,16 +56,24 @@ CATEGORIES = ["compute", *WAITS, "gradient allreduce", "optimizer", "rest"]
 def _steps(step, args, comm, after=None) -> float:
     """Median seconds of ``args.steps`` calls of ``step`` after ``args.warmup``, every rank in step;
     ``after(i)`` once each measured step is done."""
-    times = []
+    return statistics.median(_times([step], args, comm, after)[0])
+
+
+def _times(steps, args, comm, after=None) -> list[list[float]]:
+    """Seconds of each of ``args.steps`` rounds after ``args.warmup``, per function of ``steps``: a
+    round calls each in turn, every rank in step, so a machine whose speed drifts over a launch
+    slows them alike; ``after(i)`` once the last of a measured round is done."""
+    times: list[list[float]] = [[] for _ in steps]
     for i in range(args.warmup + args.steps):
-        comm.barrier()
-        start = time.perf_counter()
-        step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-            if after:
-                after(i)
-    return statistics.median(times)
+        for k, step in enumerate(steps):
+            comm.barrier()
+            start = time.perf_counter()
+            step()
+            if i >= args.warmup:
+                times[k].append(time.perf_counter() - start)
+        if i >= args.warmup and after:
+            after(i)
+    return times
 
 
 def categories(spans: list[trace.Span], wall: float) -> dict[str, float]:
@@ -155,7 +166,7 @@ def run(args, comm) -> None:
     (r0, r1), (c0, c1) = parts(S, rows)[i], parts(S, cols)[j]
     # the ceiling's targets: a per-pixel target is cut with its image, a label stays whole
     tile_y = y[:, r0 * out[1] // S:r1 * out[1] // S, c0 * out[2] // S:c1 * out[2] // S] if len(out) == 3 else y
-    t_ceiling = _steps(plain(copy.deepcopy(model), x[:, :, r0:r1, c0:c1].clone(), tile_y), args, comm)
+    ceiling = plain(copy.deepcopy(model), x[:, :, r0:r1, c0:c1].clone(), tile_y)
 
     plan.spatial_grid = [rows, cols]
     plan.spatial_end = _end(model, plan, (rows, cols), args.end)
@@ -171,7 +182,10 @@ def run(args, comm) -> None:
     def keep(_: int) -> None:
         walls.append(time.perf_counter() - started[0])
         timelines.append(list(engine.timeline()))
-    t_spatial = _steps(spatial, args, comm, keep)
+    # one ceiling step, one spatial step, in turn: the ratio is of steps run side by side
+    ceilings, spatials = _times([ceiling, spatial], args, comm, keep)
+    t_ceiling, t_spatial = statistics.median(ceilings), statistics.median(spatials)
+    ratios = sorted(c / s for c, s in zip(ceilings, spatials))
     mine = {c: statistics.median(categories(s, w).get(c, 0.0) for s, w in zip(timelines, walls)) for c in CATEGORIES}
     waits: dict[str, list[float]] = defaultdict(list)
     for s in timelines:
@@ -188,7 +202,7 @@ def run(args, comm) -> None:
         mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
         t_mp = _steps(lambda: mp.step(x, y), args, comm)
     if comm.rank == 0:
-        report(args, plan, (rows, cols), t_ceiling, t_spatial, t_one, t_mp, per_rank)
+        report(args, plan, (rows, cols), t_ceiling, t_spatial, ratios, t_one, t_mp, per_rank)
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -199,7 +213,7 @@ def _grid(text: str) -> tuple[int, int]:
     return rows, cols
 
 
-def report(args, plan, grid, t_ceiling, t_spatial, t_one, t_mp, per_rank) -> None:
+def report(args, plan, grid, t_ceiling, t_spatial, ratios, t_one, t_mp, per_rank) -> None:
     S, P = args.image_size, grid[0] * grid[1]
     ms = lambda t: f"{t * 1e3:9.1f} ms"   # noqa: E731
     print(f"{args.model} {S}x{S}, batch {args.batch_size}, {P} ranks, median of {args.steps} steps "
@@ -207,7 +221,8 @@ def report(args, plan, grid, t_ceiling, t_spatial, t_one, t_mp, per_rank) -> Non
     print(f"  ceiling: each rank its own tile, plain PyTorch, all at once {ms(t_ceiling)}")
     sharded = ", optimizer sharded" if args.shard_optimizer else ""
     print(f"  spatial {grid[0]}x{grid[1]}, units [0,{plan.spatial_end}) of {len(plan.unit_names)} tiled{sharded} "
-          f"{ms(t_spatial)}   {t_ceiling / t_spatial:5.3f} of the ceiling (gradient allreduce counted)")
+          f"{ms(t_spatial)}   {statistics.median(ratios):5.3f} of the ceiling (gradient allreduce counted; "
+          f"{ratios[0]:.3f}-{ratios[-1]:.3f} over the pairs of steps)")
     if t_one is not None:
         print(f"  one rank, the whole image {ms(t_one)}   spatial {t_one / t_spatial:5.2f}x one rank, "
               f"the ceiling {t_one / t_ceiling:5.2f}x")
