@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from gems import models
 from gems.partition import plan
-from gems.schedule.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, costs_from_plan, simulate
+from gems.schedule.network import V100_CLUSTER
+from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan, simulate
 from gems.schedule.sweep import scaling
 from gems.units import format_size
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from gems.errors import GemsError
 from gems.plan import Plan
-from gems.schedule.simulate import IDEAL, costs_from_plan, simulate
+from gems.schedule.network import IDEAL
+from gems.schedule.simulate import costs_from_plan, simulate
 from gems.schedule.topology import ranks_per_group
 from gems.units import format_ms, format_size
 

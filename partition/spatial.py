@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from gems.errors import GemsError
 from gems.plan import Plan
-from gems.schedule.simulate import V100_CLUSTER
+from gems.schedule.network import V100_CLUSTER
 from gems.spatial.geometry import grids
 from gems.spatial.limit import Reach, sizes_of, spatial_limit, suffix_limit
 from gems.spatial.stage import check_grid

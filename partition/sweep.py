@@ -24,7 +24,8 @@ from gems.errors import GemsError
 from gems.graph import GraphUnits, graph_units
 from gems.plan import Plan
 from gems.schedule.generators import replicas
-from gems.schedule.simulate import EFFICIENCY, V100_CLUSTER, V100_FLOPS, Network, costs_from_plan
+from gems.schedule.network import V100_CLUSTER, Network
+from gems.schedule.simulate import EFFICIENCY, V100_FLOPS, costs_from_plan
 from gems.schedule.sweep import Candidate, most_groups, sweep, tile_count
 from gems.schedule.topology import ranks_per_group
 from gems.units import parse_size

@@ -14,7 +14,8 @@ from gems.errors import GemsError
 from gems.partition.backward import predicted_step
 from gems.partition.costs import highest
 from gems.schedule import generators as sch, search, simulate
-from gems.schedule.simulate import IDEAL, costs_from_plan
+from gems.schedule.network import IDEAL
+from gems.schedule.simulate import costs_from_plan
 from gems.schedule.sweep import sweep
 from gems.schedule.validate import validate
 

@@ -10,6 +10,7 @@ import pytest
 
 from gems.comm.loopback import LoopbackComm
 from gems.schedule import generators as sch, ir, simulate
+from gems.schedule.network import Network
 from gems.schedule.validate import validate
 
 from equivalence import run_loopback
@@ -63,7 +64,7 @@ def test_the_simulator_hides_a_reduce_behind_the_other_stage_backward():
     # mast K=2 m=1, forward 1, backward 2: position 0 runs B u.s1 in [2, 4], B d.s0 in [4, 6];
     # stage 1's reduce (1.5 s) runs in [4, 5.5] behind B d.s0, stage 0's (1 s) in [6, 7]
     # (a ring on 2 ranks moves 2 (n-1)/n B = B bytes: stage 0's 2 B take 1 s, stage 1's 3 B 1.5 s)
-    net = simulate.Network(latency=0.0, bandwidth=2.0)
+    net = Network(latency=0.0, bandwidth=2.0)
     costs = simulate.Costs(forward=[1.0, 1.0], backward=[2.0, 2.0], boundary_bytes=[0, 0], param_bytes=[2, 3])
     result = simulate.simulate("mast", 2, 1, costs, net)
     assert math.isclose(result.step_time, 7.0)   # after the backward, only stage 0's reduce is left (1 s)

@@ -7,7 +7,8 @@ import pytest
 from gems.errors import GemsError
 from gems.plan import StageEstimate
 from gems.schedule import generators as sch
-from gems.schedule.simulate import IDEAL, Costs, Network, costs_from_plan, simulate
+from gems.schedule.network import IDEAL, Network
+from gems.schedule.simulate import Costs, costs_from_plan, simulate
 from gems.schedule.sweep import scaling, sweep
 
 

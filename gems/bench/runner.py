@@ -71,6 +71,7 @@ from gems.pipeline.loss import SumLoss, batch_mean
 from gems.plan import formats
 from gems.schedule import generators as sch
 from gems.schedule import simulate
+from gems.schedule.network import Network
 from gems.spatial.geometry import parts
 from gems.train.config import model_kwargs
 from gems.train.losses import make_loss
@@ -231,7 +232,7 @@ def _stage_medians(ranks: list[trace.RankTimeline], op: str, K: int) -> list[flo
 
 
 def run_schedule(name: str, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, loss_fn: SumLoss,
-                 cfg: BenchConfig, comm, K: int, network: simulate.Network) -> ScheduleResult:
+                 cfg: BenchConfig, comm, K: int, network: Network) -> ScheduleResult:
     """COLLECTIVE: train ``name`` for warmup + steps steps; every rank returns the result."""
     from gems.pipeline.engine import Engine  # noqa: PLC0415
 

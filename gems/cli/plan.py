@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from gems.cli import checked, parser, run
 from gems.errors import GemsError
 from gems.plan import PLACEMENT_CHOICES
+from gems.schedule.network import V100_CLUSTER
 from gems.train.config import (HOST_BUDGET_HELP, MAX_CLASSES, MAX_INPUT_ELEMENTS, MODEL_ARG_HELP, MODEL_HELP,
                                PLACEMENT_HELP, Recipe, model_kwargs)
 from gems.units import format_size, parse_size
@@ -291,7 +292,7 @@ def _simulation(model, shape, options: dict, chosen, args: argparse.Namespace) -
     """Predicted step of the chosen plan and of the other schedules at the same K (each with
     its own partition), so the table also recommends a schedule."""
     from gems.partition import plan
-    from gems.schedule.simulate import V100_CLUSTER, costs_from_plan, simulate
+    from gems.schedule.simulate import costs_from_plan, simulate
 
     rate = args.device_tflops * 1e12
     lines = [f"\nsimulated at {args.device_tflops:g} TFLOP/s x {args.efficiency:g}, "
@@ -326,7 +327,6 @@ def _sweep(model, shape, options: dict, args: argparse.Namespace) -> str:
     planned, simulated, filtered by the memory budget, fastest first; the recommendation with its
     launch size and flags, written with --json."""
     from gems.partition.sweep import sweep_plans, tile_counts
-    from gems.schedule.simulate import V100_CLUSTER
 
     world = args.sweep
     swept = sweep_plans(model, shape, options, world, tile_counts(args.spatial), V100_CLUSTER)

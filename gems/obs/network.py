@@ -1,4 +1,4 @@
-"""The network a gems-bench run predicts with (``gems.schedule.simulate.Network``), measured
+"""The network a gems-bench run predicts with (``gems.schedule.network.Network``), measured
 between ranks 0 and 1 through the communicator the engine uses."""
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import torch
 
-from gems.schedule import simulate
+from gems.schedule.network import IDEAL, Network
 
 
-def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> simulate.Network:
+def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> Network:
     """COLLECTIVE: latency and bandwidth between ranks 0 and 1 by ping-pong through ``comm``
     (its polling waits included, as the engine sees them), the rate at which a collective moves
     ``reduce_bytes`` between them (an allgather of two halves: the sharded optimizer's exchange, half
     an allreduce's traffic), and the rate at which they add: what an allreduce of ``reduce_bytes``
     takes beyond its messages; free communication on one rank."""
     if comm.size < 2:
-        return simulate.IDEAL
+        return IDEAL
     pair = comm.group([0, 1])
     result = [0.0, 0.0]
     if comm.rank < 2:
@@ -53,7 +53,7 @@ def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> s
     # a large message's time less the latency; a noisy latency as large as it: the whole time
     bandwidth = size / (large - latency if large > 1.5 * latency else large)
     reduced = max(reduce_bytes, 4) // 4 * 4
-    network = simulate.Network(latency=latency, bandwidth=bandwidth,
+    network = Network(latency=latency, bandwidth=bandwidth,
                                collective_bandwidth=reduced / 2 / max(gather - latency, 1e-9))
     adding = reduce - network.allreduce_time(reduced, 2, latency, network.collective(bandwidth))   # beyond them
     return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)

@@ -299,76 +299,11 @@ class Plan:
         return read(cls, path_or_text)
 
     def check(self) -> None:
-        """Raise GemsError unless the cuts describe ``stages`` non-empty stages of the units."""
-        n, K = len(self.unit_names), self.stages
-        ok = (len(self.cuts) == K + 1 and self.cuts[0] == 0 and self.cuts[-1] == n
-              and all(a < b for a, b in zip(self.cuts, self.cuts[1:]))
-              and len(self.stage_output_shapes) == K and len(self.stage_output_dtypes) == K)
-        if not ok:
-            raise GemsError(f"the plan's cuts {self.cuts} do not split its {n} units into {K} non-empty stages: "
-                            f"use {K + 1} increasing cut points from 0 to {n}")
-        if len(self.input_shape) < 2 or any(d <= 0 for d in self.input_shape):
-            raise GemsError(f"the plan's input shape {list(self.input_shape)} is not a sample's shape (channels, then "
-                            "height and width, each at least 1): regenerate it with gems-plan --json")
-        if self.fits is not None and self.memory_budget is None:
-            raise GemsError(f"the plan says whether it fits (fits: {str(self.fits).lower()}) but has no memory budget: "
-                            "give its memory_budget, set fits to null, or regenerate it with gems-plan --json")
-        if len(self.policies) != K:
-            raise GemsError(f"the plan has {len(self.policies)} stage policies for {K} stages: give one per stage")
-        if self.forward_bytes and len(self.forward_bytes) != K:
-            raise GemsError(f"the plan has {len(self.forward_bytes)} forward-only figures for {K} positions: "
-                            "regenerate it with gems-plan --json")
-        if self.routes and (len(self.routes) != K or self.routes[0] or any(
-                not (isinstance(r, (list, tuple)) and len(r) == 3 and -1 <= r[0] < s
-                     and (r[0] < 0 or 0 <= r[1] < len(self.stage_output_shapes[r[0]])))
-                for s, route in enumerate(self.routes) for r in route)):
-            raise GemsError("the plan's routes do not say where each stage's inputs come from: regenerate it "
-                            "with gems-plan --json")
-        if self.host_bytes and len(self.host_bytes) != K or self.state_host_bytes and len(self.state_host_bytes) != K:
-            raise GemsError(f"the plan has {len(self.host_bytes or self.state_host_bytes)} host memory figures for {K} "
-                            "positions: regenerate it with gems-plan --json")
-        if len(self.stage_estimates) != K or len(self.positions) != K:
-            raise GemsError(f"the plan has {len(self.stage_estimates)} stage and {len(self.positions)} position "
-                            f"estimates for {K} stages: regenerate it with gems-plan --json")
-        for s, e in enumerate(self.stage_estimates):
-            lo, hi = self.cuts[s], self.cuts[s + 1]
-            if (e.first_unit, e.end_unit, list(e.unit_names)) != (lo, hi, list(self.unit_names[lo:hi])):
-                raise GemsError(f"the plan's estimate of stage {s} is not of its units {lo}..{hi - 1}: regenerate "
-                                "it with gems-plan --json")
-        for s, (shapes, dtypes) in enumerate(zip(self.stage_output_shapes, self.stage_output_dtypes)):
-            if (not shapes or len(shapes) != len(dtypes) or any(d < 0 for shape in shapes for d in shape)
-                    or not all(_is_dtype(name) for name in dtypes)):
-                raise GemsError(f"stage {s}'s output shapes {shapes} and dtypes {dtypes} do not describe tensors: "
-                                "regenerate the plan with gems-plan --json")
-        if self.memory_format not in MEMORY_FORMATS:
-            raise GemsError(f"the plan's memory format {self.memory_format!r} is not one of {', '.join(MEMORY_FORMATS)}: "
-                            "fix the plan or regenerate it with gems-plan --json")
-        if self.spatial_grid and not (len(self.spatial_grid) == 2 and min(self.spatial_grid) >= 1
-                                      and 0 < self.spatial_end <= self.cuts[1]):
-            raise GemsError(f"the plan's spatial part (grid {self.spatial_grid}, end unit {self.spatial_end}) is not a "
-                            f"rows x cols grid with an end inside stage 0 (units 1..{self.cuts[1]}): fix the plan or "
-                            "regenerate it with gems-plan --spatial")
-        if self.spatial_start and not (self.spatial_grid and max(self.spatial_end, self.cuts[-2]) <= self.spatial_start
-                                       < self.cuts[-1]):
-            raise GemsError(f"the plan's spatial suffix starts at unit {self.spatial_start}, which is not inside the last "
-                            f"stage (units {self.cuts[-2]}..{self.cuts[-1] - 1}) after the spatial prefix (ending at "
-                            f"{self.spatial_end}): fix the plan or regenerate it with gems-plan --spatial")
-        for s, policy in enumerate(self.policies):
-            if policy.state_placement not in STATE_PLACEMENTS:
-                raise GemsError(f"stage {s}'s state placement {policy.state_placement!r} is not one of "
-                                f"{', '.join(STATE_PLACEMENTS)}: fix the plan's policies")
-            lo, hi, end = self.cuts[s], self.cuts[s + 1], self.cuts[s]
-            _check_weight_groups(s, policy, lo, hi)
-            for seg in policy.recompute:
-                if not (isinstance(seg, (list, tuple)) and len(seg) == 2 and end <= seg[0] < seg[1] <= hi):
-                    raise GemsError(f"stage {s} recompute segment {seg} is not an increasing [first, end) unit range "
-                                    f"inside the stage's units [{lo}, {hi}): fix the plan's policies")
-                end = seg[1]
-                for edge in ([self.spatial_end] if s == 0 and self.spatial_grid else []) + (
-                        [self.spatial_start] if s == self.stages - 1 and self.spatial_start else []):
-                    if seg[0] < edge < seg[1]:
-                        raise GemsError(f"stage {s} recompute segment {seg} crosses an edge of the spatial part (unit "
-                                        f"{edge}): end the segment there or start it there")
+        """Raise GemsError unless the plan describes a layout training can run (``gems.plan.checks``):
+        its cuts split the units into ``stages`` non-empty stages, one estimate and policy per stage."""
+        from gems.plan.checks import check  # noqa: PLC0415 - kept out of the types' import
+
+        check(self, MEMORY_FORMATS, STATE_PLACEMENTS)
 
     # -- people ----------------------------------------------------------------------
     def table(self) -> str:
@@ -377,30 +312,3 @@ class Plan:
         from gems.plan.text import table  # noqa: PLC0415 - kept out of the types' import
 
         return table(self)
-
-
-def _is_dtype(name: str) -> bool:
-    import torch  # noqa: PLC0415 - only plans read from files need it
-
-    return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def _check_weight_groups(s: int, policy: StagePolicy, lo: int, hi: int) -> None:
-    """GemsError unless stage ``s``'s weight groups (units ``[lo, hi)``) are empty, or, under the "host"
-    placement, ``[first, end)`` unit ranges that cover the stage in order."""
-    groups = policy.weight_groups
-    if not groups:
-        return
-    if policy.state_placement != "host":
-        raise GemsError(f"stage {s} has weight groups {groups} but its state placement is "
-                        f"{policy.state_placement!r}: weight groups need state_placement \"host\", so drop them or "
-                        "place the stage's state on the host")
-    at = lo
-    for group in groups:
-        if not (isinstance(group, (list, tuple)) and len(group) == 2 and group[0] == at and at < group[1] <= hi):
-            raise GemsError(f"stage {s}'s weight groups {groups} do not cover its units [{lo}, {hi}) in order: give "
-                            f"[first, end) ranges, each starting where the last ended, from {lo} to {hi}")
-        at = group[1]
-    if at != hi:
-        raise GemsError(f"stage {s}'s weight groups {groups} do not cover its units [{lo}, {hi}) in order: give "
-                        f"[first, end) ranges, each starting where the last ended, from {lo} to {hi}")

@@ -146,6 +146,6 @@ def _rows(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    import torch  # noqa: PLC0415 - as in _is_dtype
+    import torch  # noqa: PLC0415 - as in gems.plan.checks
 
     return getattr(torch, dtype).itemsize

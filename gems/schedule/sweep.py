@@ -23,7 +23,8 @@ from math import prod
 from typing import NamedTuple
 
 from gems.schedule import generators as sch
-from gems.schedule.simulate import Costs, Network, simulate
+from gems.schedule.network import Network
+from gems.schedule.simulate import Costs, simulate
 from gems.schedule.topology import ranks_per_group
 
 
