@@ -17,9 +17,9 @@ def check(plan, memory_formats: tuple[str, ...], placements: tuple[str, ...]) ->
     if not ok:
         raise GemsError(f"the plan's cuts {plan.cuts} do not split its {n} units into {K} non-empty stages: "
                         f"use {K + 1} increasing cut points from 0 to {n}")
-    if len(plan.input_shape) < 2 or any(d <= 0 for d in plan.input_shape):
-        raise GemsError(f"the plan's input shape {list(plan.input_shape)} is not a sample's shape (channels, then "
-                        "height and width, each at least 1): regenerate it with gems-plan --json")
+    if not plan.input_shape or any(d <= 0 for d in plan.input_shape):
+        raise GemsError(f"the plan's input shape {list(plan.input_shape)} is not a sample's shape (its sizes, each "
+                        "at least 1, such as channels, height and width): regenerate it with gems-plan --json")
     if plan.fits is not None and plan.memory_budget is None:
         raise GemsError(f"the plan says whether it fits (fits: {str(plan.fits).lower()}) but has no memory budget: "
                         "give its memory_budget, set fits to null, or regenerate it with gems-plan --json")

@@ -252,8 +252,8 @@ class TrainConfig(Recipe):
         plan = Plan.from_json(path)
         values = {"stages": plan.stages, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
                   "batch_size": plan.batch_size, "spatial": "x".join(map(str, plan.spatial_grid)) or None}
-        height, width = plan.input_shape[-2:]
-        return values | ({"image_size": height} if height == width else {})
+        square = len(plan.input_shape) >= 3 and plan.input_shape[-1] == plan.input_shape[-2]
+        return values | ({"image_size": plan.input_shape[-1]} if square else {})
 
     def tiles(self) -> int:
         """P, the ranks of a tile group (1 without --spatial); GemsError unless P or RxC."""
