@@ -27,7 +27,7 @@ import gems.pipeline.offload
 from gems import partition
 from gems.comm import loopback
 from gems.errors import GemsError
-from gems.pipeline import compiled
+from gems.pipeline import compiled, compiler
 
 import equivalence as eq
 
@@ -52,7 +52,7 @@ def compile_cache(tmp_path_factory):
 
     saved = {name: os.environ.get(name) for name in CACHE_VARIABLES}
     flags = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
-    yield compiled.use_cache(tmp_path_factory.mktemp("compile-cache"))
+    yield compiler.use_cache(tmp_path_factory.mktemp("compile-cache"))
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
@@ -201,7 +201,7 @@ def test_without_a_cpp_compiler_one_sentence(monkeypatch):
 
     monkeypatch.setattr(config.cpp, "cxx", (None, "/nonexistent/c++"))
     with pytest.raises(GemsError) as error:
-        compiled.check_backend("cpu")
+        compiler.check_backend("cpu")
     message = str(error.value)
     assert "C++ compiler" in message and "/nonexistent/c++" in message and "drop --compile" in message
     assert message.count(". ") == 0 and "\n" not in message

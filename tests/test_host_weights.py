@@ -17,7 +17,7 @@ from gems import partition
 from gems.comm import loopback
 from gems.errors import GemsError
 from gems.obs import memory
-from gems.pipeline import compiled
+from gems.pipeline import compiler
 from gems.schedule import generators as sch
 
 from conftest import DISTRIBUTED, run_mpi
@@ -291,7 +291,7 @@ def test_bad_weight_groups_and_compile_are_refused():
         with pytest.raises(GemsError, match=match):
             bad.check()
     with pytest.raises(GemsError, match="--compile cannot run stages whose parameters live in host memory"):
-        compiled.check(plan, "cpu")
+        compiler.check(plan, "cpu")
 
 
 def test_two_mpi_ranks():

@@ -39,7 +39,7 @@ from gems.errors import GemsError
 from gems.graph import GraphUnits, check_tied, graph_units
 from gems.pipeline.batches import MicroBatches
 from gems.pipeline.batchnorm import check_mode
-from gems.pipeline import compiled as compiling, examples
+from gems.pipeline import compiled as compiling, compiler, examples
 from gems.pipeline.executor import Executor
 from gems.pipeline.forward import Forwards, gather_outputs
 from gems.pipeline.gradsync import GradSync
@@ -119,7 +119,7 @@ class Engine:
         self.device = comm.device if device is None else torch.device(device)
         compile = plan.compiled if compile is None else bool(compile)
         if compile:   # before anything communicates: every rank refuses alike
-            compiling.check(plan, self.device)
+            compiler.check(plan, self.device)
         if plan.tiles > 1 and self.device.type == "cuda" and comm.backend == "loopback" and comm.size > 1:
             # A tile's backward exchanges halos from inside autograd, and one process runs all its
             # CUDA backwards on that device's one autograd thread: two ranks' backwards would wait

@@ -126,15 +126,15 @@ class Recipe:
 
     def compiler(self, device_type: str, default_cache: str | None = None) -> None:
         """With ``--compile``, before the first compile on every rank: GemsError, one sentence, when the
-        backend cannot work here (``gems.pipeline.compiled.check_backend``), and the compiler's caches
+        backend cannot work here (``gems.pipeline.compiler.check_backend``), and the compiler's caches
         pointed at ``--compile-cache`` (else ``default_cache``; neither: the compiler's own)."""
         if not self.compile:
             return
-        from gems.pipeline import compiled  # noqa: PLC0415 - the configuration itself loads no torch
+        from gems.pipeline import compiler  # noqa: PLC0415 - the configuration itself loads no torch
 
-        compiled.check_backend(device_type)
+        compiler.check_backend(device_type)
         if self.compile_cache or default_cache:
-            compiled.use_cache(self.compile_cache or default_cache)
+            compiler.use_cache(self.compile_cache or default_cache)
 
 
 @dataclass
