@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from gems.errors import GemsError
-
 
 # Saved tensors smaller than this stay on the device when a stage offloads: a copy each way
 # costs more in launches and synchronisation than the few bytes are worth (BatchNorm's
