@@ -8,6 +8,7 @@ import sys
 import time
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from gems.train.data import TrainData
 from gems.errors import GemsError
-from conftest import tagged
+from conftest import REPO, tagged
 
 S = 16
 
@@ -257,3 +258,41 @@ def test_workers_end_when_their_rank_is_killed(tmp_path):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     assert not left, "processes outlived their killed rank"
+
+
+def test_a_stop_signal_to_every_process_stops_the_rank_cleanly(tmp_path):
+    """SIGUSR1 to every process of a run, as Slurm's ``scancel --signal=USR1`` sends it (and its SIGTERM
+    before a time limit): the rank saves and exits 3, its data workers, fork server and resource tracker
+    neither die first nor print anything (they once did: the tracker, killed, was relaunched at the rank's
+    exit and printed a ``KeyError: '/mp-...'`` traceback per semaphore), and none outlives the rank."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEMS_TEST_RANK": token}
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "rank.log"
+    command = [sys.executable, str(Path(sys.executable).parent / "gems-train"), "--model",
+               "tests/assets/tiny_model.py:tiny", "--image-size", "16", "--batch-size", "2", "--stages", "1",
+               "--steps", "100000", "--workers", "2", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"),
+               "--metrics", str(metrics)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.1)
+            for pid in tagged("GEMS_TEST_RANK", token):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGUSR1)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert code == 3 and "stopped by signal" in text, text[-2000:]
+    assert "Traceback" not in text and "resource_tracker" not in text, text[-2000:]
+    deadline = time.monotonic() + 30
+    while (left := tagged("GEMS_TEST_RANK", token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "processes outlived their rank"

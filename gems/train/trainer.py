@@ -128,7 +128,7 @@ class _Signals:
 
     def __init__(self) -> None:
         self.caught = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in workers.STOP_SIGNALS:
             signal.signal(sig, self._catch)
 
     def _catch(self, signum, frame) -> None:

@@ -19,12 +19,14 @@ import functools
 import multiprocessing
 import os
 import select
+import signal
 import threading
 import time
 
 __all__ = ["context", "start_server", "watch_rank"]
 
 POLL_SECONDS = 0.5  # how often a worker looks for its rank where the system has no process descriptors
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)   # what stops a rank after a checkpoint (gems.train.trainer)
 
 
 def context():
@@ -40,10 +42,22 @@ def context():
 def start_server() -> None:
     """Start the fork server now, in the background: its start-up (a fresh interpreter importing
     torch and torchvision, seconds) then overlaps the planning and the engine's set-up instead of
-    delaying the first batch while the other ranks wait for this one."""
+    delaying the first batch while the other ranks wait for this one.
+
+    It starts (with the resource tracker it starts first) with the rank's stop signals blocked, and so
+    do the workers forked from it: a launcher that signals every process of a job -- Slurm's ``scancel
+    --signal=USR1``, its SIGTERM before a time limit, mpiexec forwarding a signal to the ranks' process
+    groups -- would otherwise kill them while the rank saves its checkpoint, and the rank's exit would
+    print the relaunched tracker's tracebacks (``KeyError: '/mp-...'``). They end with the rank
+    (``watch_rank``, their pipes)."""
     if context().get_start_method() == "forkserver":
         from multiprocessing import forkserver  # noqa: PLC0415
-        forkserver.ensure_running()
+        # a blocked signal stays blocked across fork and exec; this thread's own arrive once unblocked
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def watch_rank():
