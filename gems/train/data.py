@@ -82,7 +82,7 @@ from gems.train.images import IMAGENET_MEAN, IMAGENET_STD, read_image  # noqa: F
 from gems.train.samples import TASKS, PredictImages, list_source  # noqa: F401
 from gems.train.seeds import generator
 from gems.train.targets import IGNORE
-from gems.train.workers import context as worker_context, watch_rank
+from gems.train.workers import context as worker_context, start_server, watch_rank
 
 __all__ = ["TrainData", "EvalData", "PredictImages", "read_image", "IMAGENET_MEAN", "IMAGENET_STD"]
 
@@ -190,6 +190,7 @@ class _Source:
         if self._loader is None:
             extra = {}
             if self.workers:
+                start_server()   # if no one has: its processes must not die of the rank's stop signals
                 extra = dict(multiprocessing_context=worker_context(), worker_init_fn=watch_rank(),
                              persistent_workers=True, prefetch_factor=2)
             # Its own generator: each pass draws a base seed for the workers (unused: samples carry their
