@@ -239,6 +239,17 @@ if __name__ == "__main__":
 """
 
 
+def _left_behind(token: str) -> list[int]:
+    """The processes of the run tagged ``token`` still alive after 30 s, killed (so none outlives the test)."""
+    deadline = time.monotonic() + 30
+    while (left := tagged("GEMS_TEST_RANK", token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def test_workers_end_when_their_rank_is_killed(tmp_path):
     """A rank killed outright (no launcher to kill its process group) leaves no worker, fork server or
     resource tracker behind: the workers' parent is the fork server, so only their own watch of the
@@ -251,12 +262,7 @@ def test_workers_end_when_their_rank_is_killed(tmp_path):
     with log.open("w") as out:
         done = subprocess.run([sys.executable, str(script)], env=env, stdout=out, stderr=out, timeout=120)
     assert done.returncode == -signal.SIGKILL, log.read_text()[-2000:]
-    deadline = time.monotonic() + 30
-    while (left := tagged("GEMS_TEST_RANK", token)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    left = _left_behind(token)
     assert not left, "processes outlived their killed rank"
 
 
@@ -289,10 +295,5 @@ def test_a_stop_signal_to_every_process_stops_the_rank_cleanly(tmp_path):
     text = log.read_text()
     assert code == 3 and "stopped by signal" in text, text[-2000:]
     assert "Traceback" not in text and "resource_tracker" not in text, text[-2000:]
-    deadline = time.monotonic() + 30
-    while (left := tagged("GEMS_TEST_RANK", token)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    left = _left_behind(token)
     assert not left, "processes outlived their rank"
