@@ -18,6 +18,9 @@ rank in step:
 
 The ceiling and spatial steps alternate, one of each per round, so that a machine whose speed drifts
 during the launch (a shared host's cores do, by tens of percent over seconds) slows both alike.
+A round's step of either is its slowest rank's: a tile group is done when its last tile is, and
+the cores of one machine differ (two of this project's CPU machine by 3-7% in one launch), so a
+rank's own ceiling is not what the group's step can reach when that rank's core is the faster.
 Prints the median step of each, spatial's ratio to the ceiling -- the median over the rounds of
 the ceiling's step over spatial's, with its range (issue 36 holds resnet18 at 512^2 on 2 CPU ranks
 to at least 0.85) -- and where spatial's step goes on each rank, medians over the steps
@@ -184,6 +187,12 @@ def run(args, comm) -> None:
         timelines.append(list(engine.timeline()))
     # one ceiling step, one spatial step, in turn: the ratio is of steps run side by side
     ceilings, spatials = _times([ceiling, spatial], args, comm, keep)
+    # a round's step of either is its slowest rank's: the tiles are all done when the last one is (the
+    # cores of one machine differ by several percent, and spatial's step ends together on every rank)
+    every = comm.allgather_object(ceilings)
+    own = [statistics.median(c) for c in every]   # each rank's own ceiling
+    ceilings = [max(c) for c in zip(*every)]
+    spatials = [max(s) for s in zip(*comm.allgather_object(spatials))]
     t_ceiling, t_spatial = statistics.median(ceilings), statistics.median(spatials)
     ratios = sorted(c / s for c, s in zip(ceilings, spatials))
     mine = {c: statistics.median(categories(s, w).get(c, 0.0) for s, w in zip(timelines, walls)) for c in CATEGORIES}
@@ -202,7 +211,7 @@ def run(args, comm) -> None:
         mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
         t_mp = _steps(lambda: mp.step(x, y), args, comm)
     if comm.rank == 0:
-        report(args, plan, (rows, cols), t_ceiling, t_spatial, ratios, t_one, t_mp, per_rank)
+        report(args, plan, (rows, cols), t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank)
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -213,12 +222,13 @@ def _grid(text: str) -> tuple[int, int]:
     return rows, cols
 
 
-def report(args, plan, grid, t_ceiling, t_spatial, ratios, t_one, t_mp, per_rank) -> None:
+def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank) -> None:
     S, P = args.image_size, grid[0] * grid[1]
     ms = lambda t: f"{t * 1e3:9.1f} ms"   # noqa: E731
     print(f"{args.model} {S}x{S}, batch {args.batch_size}, {P} ranks, median of {args.steps} steps "
           f"(after {args.warmup}):")
-    print(f"  ceiling: each rank its own tile, plain PyTorch, all at once {ms(t_ceiling)}")
+    print(f"  ceiling: each rank its own tile, plain PyTorch, all at once {ms(t_ceiling)}   (the slowest rank's; "
+          f"each rank's own: {min(own) * 1e3:.1f}-{max(own) * 1e3:.1f} ms)")
     sharded = ", optimizer sharded" if args.shard_optimizer else ""
     print(f"  spatial {grid[0]}x{grid[1]}, units [0,{plan.spatial_end}) of {len(plan.unit_names)} tiled{sharded} "
           f"{ms(t_spatial)}   {statistics.median(ratios):5.3f} of the ceiling (gradient allreduce counted; "

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -23,7 +24,7 @@ from gems.comm import loopback
 from gems.comm.loopback import Aborted, PeerFailed
 from gems.errors import GemsError
 
-from equivalence import batch_size, check_reference, data, optimizer, per_rank, reference, run_loopback
+from equivalence import batch_size, build, check_reference, data, optimizer, per_rank, reference, run_loopback
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -87,6 +88,55 @@ def test_zero_grad_is_safe(schedule, D):
     for (losses, state), plain in zip(with_zero_grad, without):
         assert losses == plain.losses
         assert_equal_states(state, plain.state)
+
+
+@pytest.mark.parametrize("schedule,D,split", [("1f1b", 2, False), ("mast", 1, True)])
+def test_after_a_step_grad_holds_its_summed_gradients(schedule, D, split):
+    """``.grad`` after a step: the step's gradients summed over the copies, in the bucket (its view), as
+    one process's ``loss.backward()`` leaves them -- each step's first gradient is copied over the last
+    step's, with and without a split backward (whose weight half accumulates outside autograd's engine);
+    a parameter no gradient reached holds zeros. A second engine on the same parameters takes them over."""
+    K, m = 2, 2
+    copies, plans = per_rank("transparency", schedule, K, m, D, split=split)
+    for plan in plans:
+        plan.check()
+    batch = batch_size(schedule, m, D)
+    unused = nn.Linear(2, 2)   # in no forward
+
+    def rank(comm):
+        copies[comm.rank][0][0].add_module("unused", copy.deepcopy(unused))   # held by a convolution
+        make_engine(comm, copies, plans)   # its hooks on the same parameters are replaced by the next engine's
+        engine = make_engine(comm, copies, plans)
+        views = {n: p.grad for s in engine.stages.values() for n, p in s.named_parameters()}
+        for step in range(2):
+            engine.step(*data(batch, step))
+            for n, p in (x for s in engine.stages.values() for x in s.named_parameters()):
+                if step == 0 and "unused" in n:
+                    p.grad.fill_(1.0)   # what the next step must not leave there
+        grads = {}
+        for s, stage in engine.stages.items():
+            for n, p in stage.named_parameters():
+                assert p.grad is views[n], n
+            grads[s] = [p.grad.clone() for n, p in stage.named_parameters() if "unused" not in n]
+            grads[s, "unused"] = [p.grad.clone() for n, p in stage.named_parameters() if "unused" in n]
+        return grads
+
+    found = {k: v for grads in loopback.run(K * D, rank) for k, v in grads.items()}
+    model = build("transparency")
+    opt = optimizer(model.parameters())
+    for step in range(2):   # the reference's second step: its gradients are those of the state after the first
+        opt.zero_grad()
+        x, y = data(batch, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step == 0:
+            opt.step()
+    cuts = plans[0].cuts
+    for s in range(K):
+        expected = [p.grad for p in model[cuts[s]:cuts[s + 1]].parameters()]
+        assert len(found[s]) == len(expected)
+        for got, want in zip(found[s], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert found[0, "unused"] and all(torch.count_nonzero(g) == 0 for g in found[0, "unused"])
 
 
 def replace_a_grad(engine: gems.Engine) -> None:

@@ -291,6 +291,7 @@ class Executor:
             self.grads.gradients(a.stage)
             runner = self.runners[a.stage]
             weight_half(pending, runner.weights.accumulate if runner.weights is not None else None)
+            self.grads.taken(a.stage)
             runner.finish_backward()
 
     def _keep_input_grads(self, key: Key, received: dict) -> None:

@@ -139,6 +139,10 @@ class GradSync:
                 self._offsets[id(p)] = offset
                 offset += p.numel()
             offset += n_stats
+        # a step's first gradient of each parameter is copied into its place, not added to zeros (``begin_step``)
+        self._view_of = {id(p): view for p, view in self._views}
+        for p, _ in self._views:
+            _hook(p, self._adopt)
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
         # sharded: per (stage, part), its flat parameter buffer and where each member's run starts in it (and
@@ -214,6 +218,7 @@ class GradSync:
             self._offsets[id(p)] = offset
             offset += p.numel()
         self._views = [(p, views[id(p)]) for p, _ in self._views]
+        self._view_of = dict(views)
         self._part_params[key] = ordered
 
     @torch.no_grad()
@@ -244,10 +249,11 @@ class GradSync:
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
-        views. Its default (set_to_none) would detach ``param.grad`` from the bucket, and the
-        allreduce would then sync zeros."""
+        views, whatever ``set_to_none`` says: set to None, they would be views no more."""
         def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
-            self.zero_grads()
+            for _, grads, _, _ in self._segments.values():
+                grads.zero_()
+            self.host.zero_grads()
             for p, view in self._views:
                 p.grad = view
             _reattach(self.host.views)
@@ -260,18 +266,54 @@ class GradSync:
         _reattach([*self._views, *self.host.views])
 
     def begin_step(self) -> None:
-        """Check that the gradients live in the bucket (re-attaching any set to None) and remember
-        the buffers (restored if the step turns out not finite). Communicates nothing."""
+        """Check that the gradients live in the bucket (re-attaching any set to None), remember
+        the buffers (restored if the step turns out not finite), and set the ``.grad`` of the
+        bucket's parameters to None: autograd then makes each one's first gradient of the step
+        as a tensor of its own, which ``_adopt`` copies into the bucket -- one pass, where adding
+        it to a zeroed bucket took two (the zeroing, then a read of both). Communicates nothing."""
         self._attach()
+        for p, _ in self._views:
+            p.grad = None
         for _, norms in self.batch_norms:
             norms.begin_step()
         self._rollback.remember()
 
     def zero_grads(self) -> None:
-        """Zero the gradient bucket (after every step, applied or not, before the next backward)."""
-        for _, grads, _, _ in self._segments.values():
-            grads.zero_()
+        """After every step, applied or not: the host's gradients zeroed for the next step's backward.
+        The bucket's are not: the next step's first gradients are copied over them (``begin_step``), so
+        until then ``.grad`` holds the step's summed gradients, as after a plain loop's ``optimizer.step()``."""
         self.host.zero_grads()
+
+    @torch.no_grad()
+    def _adopt(self, p: nn.Parameter) -> None:
+        """After autograd accumulated a gradient of ``p`` (a bucket parameter): the step's first, made
+        as a tensor of its own (``begin_step``), copied into its place, which ``.grad`` is from then on
+        (the later ones are added into it in place)."""
+        view = self._view_of[id(p)]
+        if p.grad is not None and p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+
+    def taken(self, stage: int) -> None:
+        """After gradients of ``stage`` were accumulated outside autograd's engine (a split backward's
+        weight half, ``gems.pipeline.splitgrad``): each in its place, as ``_adopt`` does."""
+        for key, params in self._part_params.items():
+            if key[0] == stage and key not in self._placed and key not in self._lazy:
+                for p in params:
+                    self._adopt(p)
+
+    @torch.no_grad()
+    def _settle(self, key: tuple[int, int]) -> None:
+        """Part ``key``'s gradients complete for the step: each in its place, zeros where none came."""
+        if key in self._placed or key in self._lazy:
+            return
+        for p in self._part_params[key]:
+            if p.grad is None:
+                view = self._view_of[id(p)]
+                view.zero_()
+                p.grad = view
+            else:
+                self._adopt(p)
 
     def gradients(self, stage: int) -> None:
         """Before each backward of ``stage`` (or half of one): the device gradients of its parts on the
@@ -287,6 +329,7 @@ class GradSync:
         for key, (_, group, _) in self._parts.items():
             if key[0] != stage:
                 continue
+            self._settle(key)
             if key in self.host:
                 self._copy_out(key)
             if group is not None:
@@ -339,6 +382,8 @@ class GradSync:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
+        for key in self._parts:   # every part's gradients in place, zeros where none came (once: a no-op after ``start``)
+            self._settle(key)
         for key in self._parts:   # a lone copy on the host: its copy out (if no reduce action started it), done
             if key in self.host and self._parts[key][1] is None:
                 if not self.host.copied(key):
@@ -403,6 +448,18 @@ class GradSync:
             for _, norms in self.batch_norms:
                 norms.update()
         return applied
+
+
+def _hook(p: nn.Parameter, adopt) -> None:
+    """``adopt`` after each accumulation of ``p``'s gradient, in place of the hook an earlier engine on the
+    same parameter left (its bucket is not this one's); the handle kept on the parameter itself."""
+    old = getattr(p, HOOK, None)
+    if old is not None:
+        old.remove()
+    setattr(p, HOOK, p.register_post_accumulate_grad_hook(adopt))
+
+
+HOOK = "_gems_bucket_hook"   # the attribute holding a parameter's bucket hook handle
 
 
 def _reattach(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
