@@ -6,7 +6,8 @@ a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the sche
 action starts as soon as the stage's last backward on this rank is done (``start``; a stage summed
 on its host copy, once that copy is done: ``progress``), so it overlaps the backward of the rank's
 other stage; ``sync`` waits for them. A segment holds the stage's gradients -- ``param.grad`` are
-views of it, so backward accumulates straight into it -- then a copy of its floating buffers
+views of it (``gems.pipeline.gradplaces``: a step's first gradient copied in, the later ones added
+in place) -- then a copy of its floating buffers
 (BatchNorm running statistics), which the same call averages, so all copies of a stage stay
 identical. Every member starts its reduces in the schedule's one
 order (``gems.schedule.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
@@ -48,6 +49,7 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
+from gems.pipeline.gradplaces import GradPlaces
 from gems.pipeline.hostopt import PLACEMENT, HostTier
 from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.pipeline.rollback import Rollback
@@ -111,11 +113,11 @@ class GradSync:
         self.bucket = torch.zeros(sum(n + g * (k not in (self._placed | self._lazy)) for k, (g, n) in sizes.items()),
                                   dtype=dtype, device=device)
         # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
-        self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
         # for backward, and a view of the bucket would share its version counter with the
         # gradients being accumulated, failing autograd's in-place check.
-        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
+        self.places = GradPlaces(lambda: self.host.views)   # where each bucket parameter's .grad lives
         self._offsets: dict[int, int] = {}   # id(parameter) -> where its gradient starts in the bucket
         self._part_params = params   # per (stage, part), in bucket order
         offset = 0
@@ -133,16 +135,10 @@ class GradSync:
             segment = self.bucket[offset:offset + n_grad + n_stats]
             self._segments[s] = (segment, segment[:n_grad], segment[n_grad:], stats[s])
             for p in params[s]:
-                view = formats.like(self.bucket[offset:offset + p.numel()], p)   # p's strides: NHWC stays
-                p.grad = view
-                self._views.append((p, view))
+                self.places.add(p, formats.like(self.bucket[offset:offset + p.numel()], p))   # p's strides: NHWC stays
                 self._offsets[id(p)] = offset
                 offset += p.numel()
             offset += n_stats
-        # a step's first gradient of each parameter is copied into its place, not added to zeros (``begin_step``)
-        self._view_of = {id(p): view for p, view in self._views}
-        for p, _ in self._views:
-            _hook(p, self._adopt)
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
         # sharded: per (stage, part), its flat parameter buffer and where each member's run starts in it (and
@@ -211,14 +207,11 @@ class GradSync:
         """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
         first step: the bucket holds zeros)."""
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
-        views = {id(p): view for p, view in self._views}
         for p in ordered:
             if key not in self._placed and key not in self._lazy:   # theirs are laid out on the host alone
-                views[id(p)] = p.grad = formats.like(self.bucket[offset:offset + p.numel()], p)
+                self.places.move(p, formats.like(self.bucket[offset:offset + p.numel()], p))
             self._offsets[id(p)] = offset
             offset += p.numel()
-        self._views = [(p, views[id(p)]) for p, _ in self._views]
-        self._view_of = dict(views)
         self._part_params[key] = ordered
 
     @torch.no_grad()
@@ -248,72 +241,37 @@ class GradSync:
         self.host.copy_back()
 
     def keep_grads_in_bucket(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.zero_grad()`` zero the bucket in place and keep ``param.grad`` its
-        views, whatever ``set_to_none`` says: set to None, they would be views no more."""
-        def zero_grad(set_to_none: bool = True) -> None:  # noqa: ARG001 - gradients live in the bucket
+        """Make ``optimizer.zero_grad()`` zero the bucket and the host gradients in place, ``.grad``
+        kept their places (``GradPlaces.keep``)."""
+        def zero() -> None:
             for _, grads, _, _ in self._segments.values():
                 grads.zero_()
             self.host.zero_grads()
-            for p, view in self._views:
-                p.grad = view
-            _reattach(self.host.views)
-
-        optimizer.zero_grad = zero_grad
-
-    def _attach(self) -> None:
-        """Point every ``.grad`` that is None back at its view of the bucket, or of the host copy of a
-        stage on the host (exact between steps: both are zero then); GemsError for one replaced."""
-        _reattach([*self._views, *self.host.views])
+        self.places.keep(optimizer, zero)
 
     def begin_step(self) -> None:
-        """Check that the gradients live in the bucket (re-attaching any set to None), remember
-        the buffers (restored if the step turns out not finite), and set the ``.grad`` of the
-        bucket's parameters to None: autograd then makes each one's first gradient of the step
-        as a tensor of its own, which ``_adopt`` copies into the bucket -- one pass, where adding
-        it to a zeroed bucket took two (the zeroing, then a read of both). Communicates nothing."""
-        self._attach()
-        for p, _ in self._views:
-            p.grad = None
+        """Check that the gradients live in their places (``GradPlaces.begin_step``: the bucket's
+        parameters then take the step's first gradients by copy) and remember the buffers (restored
+        if the step turns out not finite). Communicates nothing."""
+        self.places.begin_step()
         for _, norms in self.batch_norms:
             norms.begin_step()
         self._rollback.remember()
 
     def zero_grads(self) -> None:
         """After every step, applied or not: the host's gradients zeroed for the next step's backward.
-        The bucket's are not: the next step's first gradients are copied over them (``begin_step``), so
-        until then ``.grad`` holds the step's summed gradients, as after a plain loop's ``optimizer.step()``."""
+        The bucket's are not: the next step's first gradients are copied over them (``gems.pipeline.gradplaces``)."""
         self.host.zero_grads()
 
-    @torch.no_grad()
-    def _adopt(self, p: nn.Parameter) -> None:
-        """After autograd accumulated a gradient of ``p`` (a bucket parameter): the step's first, made
-        as a tensor of its own (``begin_step``), copied into its place, which ``.grad`` is from then on
-        (the later ones are added into it in place)."""
-        view = self._view_of[id(p)]
-        if p.grad is not None and p.grad is not view:
-            view.copy_(p.grad)
-            p.grad = view
+    def _in_bucket(self, key: tuple[int, int]) -> bool:
+        return key not in self._placed and key not in self._lazy
 
     def taken(self, stage: int) -> None:
         """After gradients of ``stage`` were accumulated outside autograd's engine (a split backward's
-        weight half, ``gems.pipeline.splitgrad``): each in its place, as ``_adopt`` does."""
+        weight half, ``gems.pipeline.splitgrad``): each in its place."""
         for key, params in self._part_params.items():
-            if key[0] == stage and key not in self._placed and key not in self._lazy:
-                for p in params:
-                    self._adopt(p)
-
-    @torch.no_grad()
-    def _settle(self, key: tuple[int, int]) -> None:
-        """Part ``key``'s gradients complete for the step: each in its place, zeros where none came."""
-        if key in self._placed or key in self._lazy:
-            return
-        for p in self._part_params[key]:
-            if p.grad is None:
-                view = self._view_of[id(p)]
-                view.zero_()
-                p.grad = view
-            else:
-                self._adopt(p)
+            if key[0] == stage and self._in_bucket(key):
+                self.places.take(params)
 
     def gradients(self, stage: int) -> None:
         """Before each backward of ``stage`` (or half of one): the device gradients of its parts on the
@@ -329,7 +287,8 @@ class GradSync:
         for key, (_, group, _) in self._parts.items():
             if key[0] != stage:
                 continue
-            self._settle(key)
+            if self._in_bucket(key):
+                self.places.settle(self._part_params[key])
             if key in self.host:
                 self._copy_out(key)
             if group is not None:
@@ -382,8 +341,9 @@ class GradSync:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
-        for key in self._parts:   # every part's gradients in place, zeros where none came (once: a no-op after ``start``)
-            self._settle(key)
+        for key, params in self._part_params.items():   # every part's gradients in place (a no-op after ``start``)
+            if self._in_bucket(key):
+                self.places.settle(params)
         for key in self._parts:   # a lone copy on the host: its copy out (if no reduce action started it), done
             if key in self.host and self._parts[key][1] is None:
                 if not self.host.copied(key):
@@ -448,27 +408,3 @@ class GradSync:
             for _, norms in self.batch_norms:
                 norms.update()
         return applied
-
-
-def _hook(p: nn.Parameter, adopt) -> None:
-    """``adopt`` after each accumulation of ``p``'s gradient, in place of the hook an earlier engine on the
-    same parameter left (its bucket is not this one's); the handle kept on the parameter itself."""
-    old = getattr(p, HOOK, None)
-    if old is not None:
-        old.remove()
-    setattr(p, HOOK, p.register_post_accumulate_grad_hook(adopt))
-
-
-HOOK = "_gems_bucket_hook"   # the attribute holding a parameter's bucket hook handle
-
-
-def _reattach(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each (parameter, its gradient's place): ``.grad`` set to the place where it is None; GemsError
-    where it was replaced by another tensor."""
-    for p, view in views:
-        if p.grad is None:
-            p.grad = view
-        elif p.grad is not view:
-            raise GemsError("a parameter's .grad was replaced by another tensor: gems keeps gradients in its sync "
-                            "bucket (or, for --state-placement host-optimizer, in its host copy), so zero them "
-                            "with engine.optimizer.zero_grad() and never assign .grad")
