@@ -31,13 +31,15 @@ class GradPlaces:
 
     def __init__(self, host_views) -> None:
         self.views: list[tuple[nn.Parameter, torch.Tensor]] = []   # (bucket parameter, its place), in bucket order
-        self._of: dict[int, torch.Tensor] = {}
+        self._of: dict[int, torch.Tensor] = {}       # id(parameter) -> its place
+        self._index: dict[int, int] = {}             # id(parameter) -> where it is in ``views``
         self._host_views = host_views
 
     def add(self, p: nn.Parameter, place: torch.Tensor) -> None:
         """``p``'s gradient lives at ``place`` from now on (its ``.grad``), with the hook that copies a
         step's first gradient there, in place of the one an earlier engine on ``p`` left."""
         p.grad = place
+        self._index[id(p)] = len(self.views)
         self.views.append((p, place))
         self._of[id(p)] = place
         old = getattr(p, HOOK, None)
@@ -48,7 +50,7 @@ class GradPlaces:
     def move(self, p: nn.Parameter, place: torch.Tensor) -> None:
         """``p``'s gradient lives at ``place`` instead (before the first step: places hold zeros)."""
         p.grad = self._of[id(p)] = place
-        self.views = [(q, place if q is p else v) for q, v in self.views]
+        self.views[self._index[id(p)]] = (p, place)
 
     def keep(self, optimizer: torch.optim.Optimizer, zero) -> None:
         """Make ``optimizer.zero_grad()`` call ``zero()`` (which zeroes every place) and keep ``.grad``
