@@ -101,6 +101,30 @@ def test_the_optimizer_holds_host_copies_and_the_trainer_s_writes_reach_them():
     assert loopback.run(1, rank, timeout=20) == [True]
 
 
+def test_a_host_optimizer_engine_on_parameters_a_device_engine_held_trains_as_on_fresh_ones():
+    """A device engine's bucket hook (``gems.pipeline.gradplaces``) leaves the parameters when a later engine
+    holds their state on the host: that engine trains bit for bit as one on a fresh copy of the model."""
+    device = make_plan("transparency", "gpipe", 1, 2, 1)   # two micro-batches: two accumulations a step
+    host = make_plan("transparency", "gpipe", 1, 2, 1, placement="host-optimizer")
+    models = [build("transparency") for _ in range(2)]
+
+    def rank(comm):
+        losses = []
+        for model, first in zip(models, (device, None)):
+            if first is not None:
+                _engine(comm, copy.deepcopy(first), model=model).step(*data(device.batch_size, 0))
+                model.load_state_dict(build_state)   # the same start for both host engines
+            engine = _engine(comm, copy.deepcopy(host), model=model)
+            losses.append([engine.step(*data(host.batch_size, i)) for i in range(2)])
+            losses[-1].append({k: v.clone() for k, v in engine.state_dict().items()})
+        return losses
+
+    build_state = {k: v.clone() for k, v in models[1].state_dict().items()}
+    (after_device, fresh), = loopback.run(1, rank, timeout=20)
+    assert after_device[:2] == fresh[:2]
+    assert all(torch.equal(after_device[2][k], v) for k, v in fresh[2].items())
+
+
 def test_device_gradients_exist_from_a_stage_s_first_backward_to_its_copy_out():
     """mast K = 2 (each rank holds two stages): no bucket for their gradients; a stage's device gradients
     are made at its first backward and dropped at its reduce (copied to the host then), whichever order

@@ -42,9 +42,7 @@ class GradPlaces:
         self._index[id(p)] = len(self.views)
         self.views.append((p, place))
         self._of[id(p)] = place
-        old = getattr(p, HOOK, None)
-        if old is not None:
-            old.remove()
+        release(p)
         setattr(p, HOOK, p.register_post_accumulate_grad_hook(self.adopt))
 
     def move(self, p: nn.Parameter, place: torch.Tensor) -> None:
@@ -95,6 +93,14 @@ class GradPlaces:
                 p.grad = place
             else:
                 self.adopt(p)
+
+
+def release(p: nn.Parameter) -> None:
+    """Remove the hook an earlier engine left on ``p`` (its bucket is not this engine's), if any."""
+    old = getattr(p, HOOK, None)
+    if old is not None:
+        old.remove()
+        delattr(p, HOOK)
 
 
 def _reattach(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
-from gems.pipeline.gradplaces import GradPlaces
+from gems.pipeline.gradplaces import GradPlaces, release
 from gems.pipeline.hostopt import PLACEMENT, HostTier
 from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.pipeline.rollback import Rollback
@@ -127,6 +127,7 @@ class GradSync:
                 self._segments[s] = (segment, segment[:0], segment, stats[s])
                 at = offset
                 for p in params[s]:
+                    release(p)      # no bucket of an earlier engine on these parameters takes their gradients
                     p.grad = None   # autograd makes one per backward (hostweights), or ``gradients`` its place
                     self._offsets[id(p)] = at
                     at += p.numel()
