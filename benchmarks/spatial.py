@@ -62,16 +62,18 @@ def _steps(step, args, comm, after=None) -> float:
     return statistics.median(_times([step], args, comm, after)[0])
 
 
-def _times(steps, args, comm, after=None) -> list[list[float]]:
+def _times(steps, args, comm, after=None, spin: bool = False) -> list[list[float]]:
     """Seconds of each of ``args.steps`` rounds after ``args.warmup``, per function of ``steps``: a
     round calls each in turn, every rank in step, so a machine whose speed drifts over a launch
-    slows them alike; ``after(i)`` once the last of a measured round is done."""
+    slows them alike; ``after(i)`` once the last of a measured round is done. ``spin``: the barrier
+    before each step polls without sleeping -- where every rank computes in every step and has a core
+    of its own -- so the ranks leave it together: with the communicator's back-off one left it up to
+    2 ms after the other, which a spatial step's first collective then waited out on the other rank."""
     times: list[list[float]] = [[] for _ in steps]
+    barrier = comm_lib.Backoff(0, 0) if spin else comm.backoff
     for i in range(args.warmup + args.steps):
         for k, step in enumerate(steps):
-            # a barrier that polls without sleeping: the communicator's back-off sleeps would let one rank
-            # leave it up to 2 ms after the other, which a spatial step's first exchange then waits out
-            comm.wait(comm.ibarrier(), "the benchmark's barrier", comm_lib.Backoff(0, 0))
+            comm.wait(comm.ibarrier(), "the benchmark's barrier", barrier)
             start = time.perf_counter()
             step()
             if i >= args.warmup:
@@ -188,7 +190,7 @@ def run(args, comm) -> None:
         walls.append(time.perf_counter() - started[0])
         timelines.append(list(engine.timeline()))
     # one ceiling step, one spatial step, in turn: the ratio is of steps run side by side
-    ceilings, spatials = _times([ceiling, spatial], args, comm, keep)
+    ceilings, spatials = _times([ceiling, spatial], args, comm, keep, spin=True)
     # a round's step of either is its slowest rank's: the tiles are all done when the last one is (the
     # cores of one machine differ by several percent, and spatial's step ends together on every rank)
     every = comm.allgather_object(ceilings)
