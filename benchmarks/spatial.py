@@ -205,7 +205,7 @@ def run(args, comm) -> None:
         for label, seconds in layer_waits(s).items():
             waits[label].append(seconds)
     per_rank = comm.allgather_object((mine, {k: statistics.median(v) for k, v in waits.items()}))
-    del engine
+    engine = None   # its memory free for the runs below (the closures above are done with it)
 
     t_one = t_mp = None
     if args.one_rank:
