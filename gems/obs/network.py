@@ -54,6 +54,6 @@ def measure_network(comm, nbytes: int, reduce_bytes: int, repeats: int = 5) -> N
     bandwidth = size / (large - latency if large > 1.5 * latency else large)
     reduced = max(reduce_bytes, 4) // 4 * 4
     network = Network(latency=latency, bandwidth=bandwidth,
-                               collective_bandwidth=reduced / 2 / max(gather - latency, 1e-9))
+                      collective_bandwidth=reduced / 2 / max(gather - latency, 1e-9))
     adding = reduce - network.allreduce_time(reduced, 2, latency, network.collective(bandwidth))   # beyond them
     return replace(network, reduce_bandwidth=reduced / 2 / adding if adding > 0 else None)

@@ -87,12 +87,12 @@ class GradPlaces:
     def settle(self, params: list[nn.Parameter]) -> None:
         """The step's gradients of ``params`` complete: each in its place, zeros where none came."""
         for p in params:
+            place = self._of[id(p)]
             if p.grad is None:
-                place = self._of[id(p)]
                 place.zero_()
-                p.grad = place
-            else:
-                self.adopt(p)
+            elif p.grad is not place:
+                place.copy_(p.grad)
+            p.grad = place
 
 
 def release(p: nn.Parameter) -> None:

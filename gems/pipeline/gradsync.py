@@ -122,7 +122,7 @@ class GradSync:
         self._part_params = params   # per (stage, part), in bucket order
         offset = 0
         for s, (n_grad, n_stats) in sizes.items():
-            if s in self._placed or s in self._lazy:   # offsets relative to the part only (not into the bucket)
+            if not self._in_bucket(s):   # offsets relative to the part only (not into the bucket)
                 segment = self.bucket[offset:offset + n_stats]
                 self._segments[s] = (segment, segment[:0], segment, stats[s])
                 at = offset
@@ -209,7 +209,7 @@ class GradSync:
         first step: the bucket holds zeros)."""
         offset = min((self._offsets[id(p)] for p in ordered), default=0)
         for p in ordered:
-            if key not in self._placed and key not in self._lazy:   # theirs are laid out on the host alone
+            if self._in_bucket(key):   # the others' are laid out on the host alone
                 self.places.move(p, formats.like(self.bucket[offset:offset + p.numel()], p))
             self._offsets[id(p)] = offset
             offset += p.numel()
@@ -342,9 +342,9 @@ class GradSync:
         """Wait for the stages' reduces (started by ``start``; NCCL: started now, in the same
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
-        for key, params in self._part_params.items():   # every part's gradients in place (a no-op after ``start``)
-            if self._in_bucket(key):
-                self.places.settle(params)
+        for key, (_, group, _) in self._parts.items():   # a part no reduce action starts: its gradients in place
+            if group is None and self._in_bucket(key):
+                self.places.settle(self._part_params[key])
         for key in self._parts:   # a lone copy on the host: its copy out (if no reduce action started it), done
             if key in self.host and self._parts[key][1] is None:
                 if not self.host.copied(key):

@@ -80,6 +80,7 @@ def check(plan, memory_formats: tuple[str, ...], placements: tuple[str, ...]) ->
                     raise GemsError(f"stage {s} recompute segment {seg} crosses an edge of the spatial part (unit "
                                     f"{edge}): end the segment there or start it there")
 
+
 def _is_dtype(name: str) -> bool:
     import torch  # noqa: PLC0415 - only plans read from files need it
 
