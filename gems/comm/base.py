@@ -277,10 +277,12 @@ class Comm:
     def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
         """Return when ``req`` completes (sleeping as ``backoff`` says, default the communicator's);
         CommTimeout naming ``what`` and the peer after ``timeout``."""
-        poll_until(req.poll, self.timeout, backoff or self.backoff,
-                   lambda t: f"rank {self.rank} waited {seconds(t)}s for {what} ({req.describe}); "
-                             f"that rank failed or hangs, or the ranks disagree on the schedule "
-                             f"(the timeout is {self.timeout:g}s)")
+        poll_until(req.poll, self.timeout, backoff or self.backoff, lambda t: self.timed_out(what, req, t))
+
+    def timed_out(self, what: str, req: Request, elapsed: float) -> str:
+        """What a wait for ``what`` that gave up after ``elapsed`` seconds says."""
+        return (f"rank {self.rank} waited {seconds(elapsed)}s for {what} ({req.describe}); that rank failed or "
+                f"hangs, or the ranks disagree on the schedule (the timeout is {self.timeout:g}s)")
 
     def test(self, req: Request) -> bool:
         """Make progress on ``req`` without blocking; True once it has completed."""

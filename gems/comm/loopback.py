@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import defaultdict, deque
 from types import SimpleNamespace
 from typing import Any, Callable, NoReturn, Sequence
@@ -112,6 +113,10 @@ class _World:
             raise GemsError(f"a loopback world needs at least one rank, got {size}")
         self.size, self.semantics = size, semantics
         self.lock = threading.Lock()
+        # notified (under ``lock``) after anything that can complete a request or end a wait: a waiting
+        # rank sleeps until then rather than polling, and wakes the moment its request may be done
+        self.changed = threading.Condition(self.lock)
+        self.version = 0   # how many times ``changed`` was notified: a wait compares it before sleeping
         self.live = set(range(size))
         self.blocked: dict[int, tuple[str, Request]] = {}
         self.failure: tuple[int, BaseException] | None = None
@@ -122,10 +127,16 @@ class _World:
         self.counts: dict[tuple, int] = defaultdict(int)          # nccl: (kind, rank, peer) -> ops so far
         self.colls: dict[tuple, SimpleNamespace] = {}  # (group handle, call number) -> contributions
 
+    def touch(self) -> None:
+        """Wake every waiting rank to look at its request again (under ``lock``)."""
+        self.version += 1
+        self.changed.notify_all()
+
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.lock:
             if self.failure is None:
                 self.failure = (rank, exc)
+            self.touch()
 
     def leave(self, rank: int) -> None:
         with self.lock:
@@ -142,6 +153,7 @@ class _World:
         self.deadlock = ("deadlock: every live rank waits and nothing can progress: "
                          + "; ".join(f"rank {r} waits for {what} ({req.describe})" for r, what, req in waits)
                          + (f"; ranks {gone} have returned" if gone else ""))
+        self.touch()
 
     # -- nccl matching -------------------------------------------------------------------------
     def post_unit(self, ops: list[_P2P]) -> None:
@@ -216,6 +228,7 @@ class LoopbackComm(Comm):
             else:
                 for s in states:
                     self._post_mpi(s)
+            w.touch()
         return [_Req(s, f"{s.kind} {'to' if s.kind == 'send' else 'from'} rank {s.peer}, tag {s.tag}")
                 for s in states]
 
@@ -270,6 +283,7 @@ class LoopbackComm(Comm):
                         error = exc
                 for s in entry.states:
                     s.finish(error)
+                w.touch()
         who = f"all {self.size} ranks" if group is None else f"ranks {members}"
         return _Req(state, f"{kind[0]} over {who}", None if finish is None else lambda: finish(entry.result))
 
@@ -315,7 +329,10 @@ class LoopbackComm(Comm):
     def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
         """As ``Comm.wait``; also raises Deadlock or PeerFailed as soon as the world shows either.
         Never spins (``backoff`` is ignored): the ranks are threads, and a spinning one would take
-        the interpreter from the others."""
+        the interpreter from the others. It sleeps on the world's condition, woken by every post,
+        completion, failure or deadlock (``_World.touch``), so it looks again the moment its request
+        may be done, and otherwise not before the communicator's longest back-off (a request built
+        outside this world may progress without a post)."""
         w = self._world
 
         def done() -> bool:
@@ -332,8 +349,18 @@ class LoopbackComm(Comm):
         with w.lock:
             w.blocked[self.rank] = (what, req)
             w.check_deadlock()
+        start = time.monotonic()
         try:
-            super().wait(Request(done, req.describe), what)
+            while True:
+                seen = w.version   # before looking: a change after it wakes the sleep below at once
+                if done():
+                    return
+                elapsed = time.monotonic() - start
+                if elapsed > self.timeout:
+                    raise CommTimeout(self.timed_out(what, req, elapsed))
+                with w.lock:
+                    if w.version == seen:
+                        w.changed.wait(min(self.backoff.longest, self.timeout - elapsed))
         finally:
             with w.lock:
                 del w.blocked[self.rank]
