@@ -6,6 +6,7 @@ implementation is refused."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -99,6 +100,38 @@ def test_the_optimizer_holds_host_copies_and_the_trainer_s_writes_reach_them():
         assert all(torch.equal(before[k], v) for k, v in engine.state_dict().items())   # lr 0: no change
         return True
     assert loopback.run(1, rank, timeout=20) == [True]
+
+
+def test_the_host_update_runs_after_the_step_returns_with_the_learning_rate_it_was_given():
+    """The update of a rank whose state lives on the host runs on a worker thread
+    (``gems.pipeline.hostupdate``): ``engine.step`` returns before it does, and the learning rate written
+    for the next step before the update has run does not reach it; bit for bit as on the device."""
+    plan = make_plan("transparency", "mp", 1, 1, 1)
+    rates = (0.05, 0.02, 0.01)
+
+    def rank(comm, placement):
+        engine = _engine(comm, copy.deepcopy(plan) if placement == "device" else
+                         make_plan("transparency", "mp", 1, 1, 1, placement=placement))
+        permits, held = threading.Semaphore(0), []
+
+        def hold(optimizer, args, kwargs):   # on the host: each update waits for the rank's next lr write
+            held.append((threading.current_thread().name, placement == "device" or permits.acquire(timeout=10)))
+        engine.optimizer.register_step_pre_hook(hold)
+        losses = []
+        for i, rate in enumerate(rates):
+            for g in engine.optimizer.param_groups:
+                g["lr"] = rate
+            if i:
+                permits.release()   # step i-1's update runs now, after step i's rate was written
+            losses.append(engine.step(*data(plan.batch_size, i)))
+        permits.release()
+        return losses, {k: v.clone() for k, v in engine.state_dict().items()}, held
+
+    (device, expected, on_device), = loopback.run(1, rank, "device", timeout=20)
+    (host, state, on_host), = loopback.run(1, rank, "host-optimizer", timeout=20)
+    assert host == device and all(torch.equal(v, expected[k]) for k, v in state.items())
+    assert [ok for _, ok in on_host] == [True] * 3 and {name.split("_")[0] for name, _ in on_host} == {"gems-host-update"}
+    assert {name for name, _ in on_device} == {"loopback-rank-0"}
 
 
 def test_a_host_optimizer_engine_on_parameters_a_device_engine_held_trains_as_on_fresh_ones():
@@ -228,12 +261,15 @@ def test_checkpoints_are_the_same_on_either_placement_and_each_resumes_the_other
     ("host", {"weights-in", "grads-out", "host-update"})])
 def test_the_host_tier_s_copies_and_update_are_spans_inside_their_actions(placement, inside):
     """The step's timeline (traces, gems-bench) shows the host tier's work as spans of their own kinds,
-    each inside the action that does it, which the busy time does not count twice."""
+    each inside the action that does it, which the busy time does not count twice. The update runs on the
+    host's worker (``gems.pipeline.hostupdate``): its span is the wait for it, and the copy back after it, in
+    the next step's first compute action."""
     plan = make_plan("transparency", "mp", 1, 1, 1, placement=placement)
 
     def rank(comm):
         engine = _engine(comm, copy.deepcopy(plan))
         engine.step(*data(plan.batch_size, 0))
+        engine.step(*data(plan.batch_size, 1))
         return engine.timeline()
     spans = loopback.run(1, rank, timeout=20)[0]
     mine = [(label, a, b) for label, a, b in spans if label.split(" ", 1)[0] in inside]

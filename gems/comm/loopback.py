@@ -113,9 +113,7 @@ class _World:
             raise GemsError(f"a loopback world needs at least one rank, got {size}")
         self.size, self.semantics = size, semantics
         self.lock = threading.Lock()
-        # notified (under ``lock``) after anything that can complete a request or end a wait: a waiting
-        # rank sleeps until then rather than polling, and wakes the moment its request may be done
-        self.changed = threading.Condition(self.lock)
+        self.changed = threading.Condition(self.lock)   # notified after all that may end a wait (``touch``)
         self.version = 0   # how many times ``changed`` was notified: a wait compares it before sleeping
         self.live = set(range(size))
         self.blocked: dict[int, tuple[str, Request]] = {}
@@ -327,12 +325,10 @@ class LoopbackComm(Comm):
 
     # -- waiting and failing -------------------------------------------------------------------
     def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
-        """As ``Comm.wait``; also raises Deadlock or PeerFailed as soon as the world shows either.
-        Never spins (``backoff`` is ignored): the ranks are threads, and a spinning one would take
-        the interpreter from the others. It sleeps on the world's condition, woken by every post,
-        completion, failure or deadlock (``_World.touch``), so it looks again the moment its request
-        may be done, and otherwise not before the communicator's longest back-off (a request built
-        outside this world may progress without a post)."""
+        """As ``Comm.wait``; also raises Deadlock or PeerFailed as soon as the world shows either. Sleeps
+        on the world's condition (``backoff`` is ignored: a spinning thread would take the interpreter from
+        the others), woken by every post, completion, failure or deadlock (``_World.touch``), at the latest
+        after the longest back-off (a request built outside this world may progress without a post)."""
         w = self._world
 
         def done() -> bool:

@@ -71,6 +71,7 @@ def engine_tensors(engine) -> list[torch.Tensor]:
     """What a ``gems.Engine`` holds between steps on its device: its stages (parameters, buffers),
     the flat gradient bucket the gradients live in, and the optimizer's state but for that of
     the stages whose state lives in host memory (``gems.pipeline.hostopt``: another tier)."""
+    engine.grads.update.settle()   # the optimizer's state as the last step's update (a host worker's) left it
     host = engine.grads.host
     return training_tensors(engine.stages.values(), None, engine.bucket) + [
         v for p, state in engine.optimizer.state.items() if not host.holds(p) for v in state.values()
@@ -83,6 +84,7 @@ def host_tier_bytes(engine) -> int:
     segments, and the optimizer's state of the parameters it updates there. Static between steps,
     so its storages are counted as they are; the update's temporaries are not (on CPU ranks the
     allocator's high-water mark, the device tier's measure, sees them)."""
+    engine.grads.update.settle()
     host = engine.grads.host
     return host.nbytes + storage_bytes(v for p, state in engine.optimizer.state.items() if host.holds(p)
                                        for v in state.values() if torch.is_tensor(v))

@@ -167,6 +167,8 @@ class Engine:
         self.optimizer = optimizer(self.grads.optimized(plan.shard_optimizer))
         self.grads.host.check(self.optimizer)
         self.grads.keep_grads_in_bucket(self.optimizer)
+        if self.grads.host.held:   # its update runs on a worker: the optimizer's state is read once settled
+            self.grads.update.guard(self.optimizer)
         for s, runner in runners.items():   # parameters in host memory, on the device per unit group
             if policies[s].state_placement == WEIGHTS:
                 runner.weights = HostWeights(runner.module, plan.cuts[s], policies[s].weight_groups, self.grads.host,
@@ -310,6 +312,7 @@ class Engine:
         rank. ``batch_size``: rows of a global batch (default the plan's). Rows whose targets the
         scores skip (``gems.train.targets.IGNORE``) may pad the last batch. COLLECTIVE."""
         scores = LossScores(self.loss_fn) if scores is None else scores
+        self.grads.update.settle()   # the parameters of the last step's update, if it ran on the host's worker
         forwards = self._forward_steps(batch_size)
         for images, targets in batches:
             images = forwards.batches.shard(images, "images", self.needs_images)
@@ -332,6 +335,7 @@ class Engine:
         if size is None:
             raise GemsError(f"rank {self.comm.rank} got no images for predict: pass batch_size, the rows "
                             "of the global batch")
+        self.grads.update.settle()
         forwards = self._forward_steps(size)
         images = forwards.batches.shard(images, "images", self.needs_images)
         outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -351,15 +355,18 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict (keys as ``model.state_dict()``), on every rank. COLLECTIVE."""
+        self.grads.update.settle()
         return self._state.state_dict()
 
     def stage_state(self, stage: int) -> dict:
         """A checkpoint shard of a stage this rank holds (``StageState.stage_state``; COLLECTIVE if sharded)."""
+        self.grads.update.settle()
         return self._state.stage_state(stage)
 
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, dict] | None = None,
                    param_groups: list[dict] | None = None) -> None:
         """Load full-model state (from any partition): each rank takes its stages' entries."""
+        self.grads.update.settle()
         with contextlib.ExitStack() as resident:   # parameters on the host: loaded through the device, stored back
             for runner in self.runners.values():
                 if runner.weights is not None:

@@ -99,11 +99,14 @@ class Executor:
         while i < len(self.actions):
             if i in self._runs:
                 last, stage, steps = self._runs[i]
+                self.grads.update.settle()
                 self._group_major(stage, steps)
                 i = last + 1
                 continue
             a = self.current = self.actions[i]
             start = now()
+            if a.op in ir.COMPUTE or i in self._prefetch:   # the parameters: the last update's, settled
+                self.grads.update.settle()
             self._prefetch_before(i)
             self._run[a.op](a)
             timer.span(str(a), start, now())

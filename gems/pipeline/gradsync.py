@@ -51,6 +51,7 @@ from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
 from gems.pipeline.gradplaces import GradPlaces, release
 from gems.pipeline.hostopt import PLACEMENT, HostTier
+from gems.pipeline.hostupdate import HostUpdate
 from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.pipeline.rollback import Rollback
 from gems.pipeline.shares import split_among
@@ -72,6 +73,7 @@ class GradSync:
         self._on_host = {s for s, where in (placements or {}).items() if where in (PLACEMENT, WEIGHTS)}
         self._weights_on_host = {s for s, where in (placements or {}).items() if where == WEIGHTS}
         self.host = HostTier(device)   # filled by ``optimized`` with the parts of the stages placed on the host
+        self.update = HostUpdate(self.host)   # its update, on a worker where the host holds all the rank's state
         self.group, self.position, tile = topology.place(comm.rank)
         self.counts_norm = self.group == 0 and tile == 0   # counts its position's stage in the global norm
         self.clip_grad_norm = clip_grad_norm
@@ -245,6 +247,7 @@ class GradSync:
         """Make ``optimizer.zero_grad()`` zero the bucket and the host gradients in place, ``.grad``
         kept their places (``GradPlaces.keep``)."""
         def zero() -> None:
+            self.update.settle()
             for _, grads, _, _ in self._segments.values():
                 grads.zero_()
             self.host.zero_grads()
@@ -260,9 +263,17 @@ class GradSync:
         self._rollback.remember()
 
     def zero_grads(self) -> None:
-        """After every step, applied or not: the host's gradients zeroed for the next step's backward.
-        The bucket's are not: the next step's first gradients are copied over them (``gems.pipeline.gradplaces``)."""
-        self.host.zero_grads()
+        """After every step, applied or not: the host's gradients zeroed for the next step's backward
+        (``HostUpdate.zero_grads``: once the update in flight, which reads them, is settled). The bucket's
+        are not: the next step's first gradients are copied over them (``gems.pipeline.gradplaces``)."""
+        self.update.zero_grads()
+
+    @property
+    def _updates_on_worker(self) -> bool:
+        """Whether the update runs on the host's worker: where the host holds every part of the rank (a
+        part in the bucket has its gradients' places reset when the next step begins) and the optimizer is
+        not sharded (the new parameters go to the other members at once, ``share``)."""
+        return self.host.held and not self.sharded and all(key in self.host for key in self._parts)
 
     def _in_bucket(self, key: tuple[int, int]) -> bool:
         return key not in self._placed and key not in self._lazy
@@ -402,10 +413,13 @@ class GradSync:
                         if key not in self.host:
                             grads.mul_(scale)
                     self.host.scale(scale)
-            with self.host.updating():
-                optimizer.step()
-            if not self.sharded:   # sharded: after the exchange (``share``)
-                self.host.copy_back()
+            if self._updates_on_worker:   # settled before what reads it (``settle``)
+                self.update.launch(optimizer)
+            else:
+                with self.host.updating():
+                    optimizer.step()
+                if not self.sharded:   # sharded: after the exchange (``share``)
+                    self.host.copy_back()
             for _, norms in self.batch_norms:
                 norms.update()
         return applied

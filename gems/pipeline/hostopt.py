@@ -102,6 +102,11 @@ class HostTier:
         return key in self._parts
 
     @property
+    def held(self) -> bool:
+        """Whether any part is held here (then the update runs on a worker: ``gems.pipeline.hostupdate``)."""
+        return bool(self._parts)
+
+    @property
     def asynchronous(self) -> bool:
         """Whether a copy out completes later (CUDA), so the collective on it is posted once the copy has
         arrived (``arrived``, ``GradSync.progress``) or at the sync."""
