@@ -57,7 +57,6 @@ class Aborted(RuntimeError):
     """``LoopbackComm.abort``: this rank ended the world (the process keeps running)."""
 
 
-
 class _State:
     """What a request waits for: ``error`` (set first) and ``done`` are written under the world lock."""
 
