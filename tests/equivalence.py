@@ -88,6 +88,7 @@ def policies(name: str, cuts: list[int]) -> list[StagePolicy]:
 
 
 _PROFILES: dict[tuple[str, int], dict] = {}   # per model kind and side: partition.plan's profile cache
+_PLANS: dict[tuple, partition.Plan] = {}   # partition.plan's answer per layout (most are asked for again)
 
 
 def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE, policy: str = "none",
@@ -98,12 +99,16 @@ def make_plan(kind: str, schedule: str, K: int, m: int, D: int, side: int = SIDE
     at ``placement`` (on the cuts of the state on the device, so that placements compare bit for bit;
     and the schedule search's ``order`` when given); ``group_units``: under placement "host", weight
     groups of that many units (0: the whole stage one group), run group-major with ``grouped``
-    (``Plan.swap_grouped``). Profiles with fake tensors (each micro-batch size once per kind): call it
-    in the main thread."""
+    (``Plan.swap_grouped``). Profiles with fake tensors (each micro-batch size once per kind) and plans
+    each layout once (a copy each call): call it in the main thread."""
     batch = batch_size(schedule, m, D) if batch is None else batch
-    plan = partition.plan(build(kind), input_shape=(3, side, side), batch_size=batch, stages=K,
-                          schedule=schedule, micro_batches=m, groups=D, split_backward=split, shard_optimizer=shard,
-                          profiles=_PROFILES.setdefault((kind, side), {}))
+    model = build(kind)   # (seeding torch's RNG as always, planned or not)
+    key = (kind, schedule, K, m, D, side, batch, split, shard)
+    if key not in _PLANS:
+        _PLANS[key] = partition.plan(model, input_shape=(3, side, side), batch_size=batch, stages=K,
+                                     schedule=schedule, micro_batches=m, groups=D, split_backward=split,
+                                     shard_optimizer=shard, profiles=_PROFILES.setdefault((kind, side), {}))
+    plan = copy.deepcopy(_PLANS[key])
     plan.policies = [dataclasses.replace(p, state_placement=placement) for p in policies(policy, plan.cuts)]
     if group_units:
         plan.policies = [dataclasses.replace(p, weight_groups=[[u, min(u + group_units, hi)]
