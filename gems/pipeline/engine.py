@@ -68,7 +68,10 @@ class Engine:
         plan: a ``gems.plan.Plan`` (cut points, schedule, K, m, boundary shapes, policies).
         optimizer: ``params -> torch.optim.Optimizer``, called once with this rank's parameters
             (of a stage placed on the host, their host copies: ``gems.pipeline.hostopt``).
-            Its ``zero_grad()`` zeroes the gradient bucket in place (gradients live there).
+            Its ``zero_grad()`` zeroes the gradient bucket in place (gradients live there). Where
+            every stage of the rank keeps its state on the host, ``step`` returns while the update
+            still runs (``gems.pipeline.hostupdate``); the engine's methods and the optimizer's
+            ``zero_grad``, ``state_dict`` and ``load_state_dict`` wait for it.
         loss_fn: a ``gems.pipeline.loss.SumLoss`` (sums and normalisers: exact for any loss, e.g.
             ``gems.train.losses.make_loss``), or ``(output, labels) -> mean over the micro-batch``
             (e.g. ``nn.CrossEntropyLoss()``; exact when every micro-batch's mean divides by its rows).
