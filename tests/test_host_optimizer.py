@@ -130,7 +130,8 @@ def test_the_host_update_runs_after_the_step_returns_with_the_learning_rate_it_w
     (device, expected, on_device), = loopback.run(1, rank, "device", timeout=20)
     (host, state, on_host), = loopback.run(1, rank, "host-optimizer", timeout=20)
     assert host == device and all(torch.equal(v, expected[k]) for k, v in state.items())
-    assert [ok for _, ok in on_host] == [True] * 3 and {name.split("_")[0] for name, _ in on_host} == {"gems-host-update"}
+    assert [ok for _, ok in on_host] == [True] * 3
+    assert {name.split("_")[0] for name, _ in on_host} == {"gems-host-update"}
     assert {name for name, _ in on_device} == {"loopback-rank-0"}
 
 

@@ -1,9 +1,9 @@
 """The host tier's update in a worker thread (``--state-placement host-optimizer`` and ``host``:
 ``gems.pipeline.hostopt``), so a rank posts its next step's first actions while the host updates.
 
-On a rank whose every stage keeps its model state on the host, the step's update (``optimizer.step()``, once the
-step-wide loss and norm have decided that it is applied and how the gradients are clipped) is
-handed to one worker thread, and ``engine.step`` returns without waiting for it. The update is
+On a rank whose every stage keeps its model state on the host, the step's update
+(``optimizer.step()``, once the step-wide loss and norm have decided that it is applied and how
+the gradients are clipped) is handed to one worker thread, and ``engine.step`` returns without waiting for it. The update is
 *settled* -- waited for, the new parameters copied back to the device, the host gradients of the
 parts whose weights live there cleared -- before anything reads or writes what it owns: the next
 step's first compute action or weight prefetch (the receives and the loss normaliser before them
