@@ -103,7 +103,8 @@ class HostTier:
 
     @property
     def held(self) -> bool:
-        """Whether any part is held here (then the update runs on a worker: ``gems.pipeline.hostupdate``)."""
+        """Whether any part is held here (where all of a rank's are, unsharded, its update runs on a worker:
+        ``gems.pipeline.hostupdate``)."""
         return bool(self._parts)
 
     @property
