@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conftest import REPO
+from conftest import REPO, cli_cases
 from gems.obs import memory
+from gems.units import parse_size
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -98,19 +99,29 @@ SUMMARY = re.compile(r"rank (\d) \(position (\d)\): ([\d.]+) (KiB|MiB|GiB) measu
                      r"estimated \(([+-][\d.]+)%\); process peak [\d.]+ (MiB|GiB)")
 
 
+MADE = re.compile(r"that step was the optimizer's first: its update made the optimizer's state, up to "
+                  r"([\d.]+ \w+) per rank on the device, at the step's end")
+
+
 def test_train_summary_sets_measured_peak_beside_the_estimate():
-    train = Path(sys.executable).parent / "gems-train"
-    result = subprocess.run([sys.executable, str(train), "--model", "tests/assets/tiny_model.py:tiny",
-                             "--image-size", "32", "--batch-size", "2", "--stages", "1", "--schedule", "mp",
-                             "--steps", "2", "--workers", "0", "--no-progress"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr
-    found = SUMMARY.findall(result.stdout)
-    assert len(found) == 1, result.stdout
-    _, _, measured, _, _, _, error, _ = found[0]
+    """Two runs in one process: the summary's measured peak of a second step is close to the plan's
+    estimate; a run of one step meters the optimizer's first, whose state its update makes at the
+    end, and says how much: the first step's peak plus that is the second step's peak."""
+    args = ["--model", "tests/assets/tiny_model.py:tiny", "--image-size", "32", "--batch-size", "2", "--stages", "1",
+            "--schedule", "mp", "--workers", "0", "--no-progress"]
+    two, one = cli_cases("gems.cli.train", [[*args, "--steps", "2"], [*args, "--steps", "1"]])
+    assert two["code"] == one["code"] == 0, (two["stderr"], one["stderr"])
+    found = SUMMARY.findall(two["stdout"])
+    assert len(found) == 1, two["stdout"]
+    _, _, measured, unit, _, _, error, _ = found[0]
     assert float(measured) > 0
-    assert abs(float(error)) < 25, result.stdout   # the plan's estimate is close to what was measured
+    assert abs(float(error)) < 25, two["stdout"]   # the plan's estimate is close to what was measured
+    assert not MADE.search(two["stdout"]), two["stdout"]   # its state was there when the second step began
+    (_, _, first, first_unit, *_), = SUMMARY.findall(one["stdout"])
+    made = MADE.search(one["stdout"])
+    assert made, one["stdout"]
+    steady = parse_size(f"{first}{first_unit}") + parse_size(made.group(1).replace(" ", ""))
+    assert abs(steady / parse_size(f"{measured}{unit}") - 1) < 0.01, (one["stdout"], two["stdout"])
 
 
 HOST_TIER = re.compile(r"rank (\d) \(position (\d)\): ([\d.]+) (KiB|MiB|GiB) measured, ([\d.]+) (KiB|MiB|GiB) "

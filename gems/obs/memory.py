@@ -72,10 +72,20 @@ def engine_tensors(engine) -> list[torch.Tensor]:
     the flat gradient bucket the gradients live in, and the optimizer's state but for that of
     the stages whose state lives in host memory (``gems.pipeline.hostopt``: another tier)."""
     engine.grads.update.settle()   # the optimizer's state as the last step's update (a host worker's) left it
+    return training_tensors(engine.stages.values(), None, engine.bucket) + _device_state(engine)
+
+
+def device_state_bytes(engine) -> int:
+    """Bytes of the optimizer's state a ``gems.Engine`` holds on its device (``engine_tensors``'
+    share of it): none before its first applied step, in which torch's optimizers make it."""
+    engine.grads.update.settle()
+    return storage_bytes(_device_state(engine))
+
+
+def _device_state(engine) -> list[torch.Tensor]:
     host = engine.grads.host
-    return training_tensors(engine.stages.values(), None, engine.bucket) + [
-        v for p, state in engine.optimizer.state.items() if not host.holds(p) for v in state.values()
-        if torch.is_tensor(v)]
+    return [v for p, state in engine.optimizer.state.items() if not host.holds(p) for v in state.values()
+            if torch.is_tensor(v)]
 
 
 def host_tier_bytes(engine) -> int:

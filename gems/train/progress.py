@@ -8,10 +8,12 @@ The summary sets each rank's measured tensor peak beside the plan's estimate for
 position: a ``gems.obs.memory.PeakMeter`` opens at the end of the step before the last one
 (before the first step when only one is run) and closes at the last step's report, taking
 the peak over that step alone (what it holds from its start, the batch included); the
-memory of the data loading and checkpointing before it does not count. Where model state
-lives in host memory (``--state-placement``), that is the device tier (what a GPU would hold);
-the host tier's bytes (``memory.host_tier_bytes``) are set beside the plan's
-``state_host_bytes`` apart.
+memory of the data loading and checkpointing before it does not count. Where that step is the
+optimizer's first (a run of one step), torch's optimizer makes its state in the step's update, at
+its end, so the step's peak does not hold it while later steps' do (and the plan's estimate counts
+it): the summary says how much it made per rank. Where model state lives in host memory
+(``--state-placement``), that is the device tier (what a GPU would hold); the host tier's bytes
+(``memory.host_tier_bytes``) are set beside the plan's ``state_host_bytes`` apart.
 """
 from __future__ import annotations
 
@@ -36,14 +38,16 @@ class Progress:
         self.peaks = [0] * comm.size       # process peak per rank (JSON lines)
         self.measured = [0] * comm.size    # tensor peak of the last step per rank (summary)
         self.host_tier = [0] * comm.size   # host memory of model state per rank after the last step (summary)
+        self.state_made = [0] * comm.size  # device bytes of optimizer state made during the last step (summary)
+        self._state_held = 0               # ... held when it started
         self.val_measured: list[int] = []  # ... and of the last validation (forward-only), if any
         self.val_batch = 0
         self.skipped = 0
         self.total = total
-        self._vec = torch.zeros(2 + 3 * comm.size, dtype=torch.float64)
+        self._vec = torch.zeros(2 + 4 * comm.size, dtype=torch.float64)
         self.meter = memory.PeakMeter(engine.device)
         if start + 1 == total:
-            self.meter.start(memory.engine_tensors(engine))
+            self._meter_last_step()
         self.bar = tqdm(total=total, initial=start, desc="gems-train", unit="step", dynamic_ncols=True,
                         disable=not (self.rank0 and cfg.progress))
         self.file = None
@@ -60,13 +64,15 @@ class Progress:
         if step == self.total:
             v[2 + W + self.comm.rank] = self.meter.stop(since=time.time() - seconds)
             v[2 + 2 * W + self.comm.rank] = memory.host_tier_bytes(self.engine)
+            v[2 + 3 * W + self.comm.rank] = memory.device_state_bytes(self.engine) - self._state_held
         v[2 + self.comm.rank] = memory.process_peak_bytes(self.engine.device)
         self.comm.allreduce(v, None, "the metrics allreduce")
         self.skipped = int(v[1])
         self.peaks = [int(x) for x in v[2:2 + W]]
         if step == self.total:
             self.measured = [int(x) for x in v[2 + W:2 + 2 * W]]
-            self.host_tier = [int(x) for x in v[2 + 2 * W:]]
+            self.host_tier = [int(x) for x in v[2 + 2 * W:2 + 3 * W]]
+            self.state_made = [int(x) for x in v[2 + 3 * W:]]
         self.times.append(seconds)
         self.losses.append(loss)
         images_per_s = self.cfg.batch_size / seconds
@@ -81,8 +87,12 @@ class Progress:
         self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", img_s=f"{images_per_s:.2f}", step_s=f"{seconds:.2f}")
         self.bar.update(1)
         if step + 1 == self.total:
-            self.meter.start(memory.engine_tensors(self.engine))
+            self._meter_last_step()
         return bool(v[0])
+
+    def _meter_last_step(self) -> None:
+        self.meter.start(memory.engine_tensors(self.engine))
+        self._state_held = memory.device_state_bytes(self.engine)
 
     def validation(self, step: int, scores: dict) -> None:
         """Report a validation: one line on the bar, one JSON line in the metrics file."""
@@ -137,6 +147,10 @@ class Progress:
             lines.append(f"    rank {rank} ({self._where(rank)}): {format_size(measured)} measured, "
                          f"{format_size(estimate)} estimated ({memory.estimate_error(measured, estimate)}); "
                          f"process peak {format_size(process)}")
+        if any(self.state_made):   # torch's optimizers make their state in their first step's update
+            lines.append(f"    (that step was the optimizer's first: its update made the optimizer's state, up to "
+                         f"{format_size(max(self.state_made))} per rank on the device, at the step's end; later "
+                         "steps hold it throughout, as the estimates count it)")
         if self.plan.state_host_bytes:
             lines.append("  host memory of model state per rank (--state-placement; tensors: the host tier's copies "
                          "and optimizer state) vs plan estimate:")
