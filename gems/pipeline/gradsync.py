@@ -5,11 +5,11 @@ One flat bucket per rank, one segment per stage it holds, each summed over the s
 a tiled stage 0; ``Topology.holders``) by a non-blocking allreduce that the schedule's ``reduce``
 action starts as soon as the stage's last backward on this rank is done (``start``; a stage summed
 on its host copy, once that copy is done: ``progress``), so it overlaps the backward of the rank's
-other stage; ``sync`` waits for them. A segment holds the stage's gradients -- ``param.grad`` are
-views of it (``gems.pipeline.gradplaces``: a step's first gradient copied in, the later ones added
-in place) -- then a copy of its floating buffers
-(BatchNorm running statistics), which the same call averages, so all copies of a stage stay
-identical. Every member starts its reduces in the schedule's one
+other stage; ``sync`` waits for them. A segment (``gems.pipeline.gradbucket``) holds the stage's
+gradients -- ``param.grad`` are views of it (``gems.pipeline.gradplaces``: a step's first gradient
+copied in, the later ones added in place) -- then a copy of its floating buffers (BatchNorm
+running statistics), which the same call averages, so all copies of a stage stay identical.
+Every member starts its reduces in the schedule's one
 order (``gems.schedule.lowering.place_reduces``). Over NCCL the reduces start at the sync instead,
 in the same order: NCCL kernels of two communicators (a sync group's and the point-to-point one)
 may wait on each other if started in different orders, so they do not overlap there. BatchNorm
@@ -49,13 +49,12 @@ from torch import nn
 from gems.comm import all_of
 from gems.errors import GemsError
 from gems.pipeline.batchnorm import BatchNorms
-from gems.pipeline.gradplaces import GradPlaces, release
+from gems.pipeline.gradbucket import GradBucket
 from gems.pipeline.hostopt import PLACEMENT, HostTier
 from gems.pipeline.hostupdate import HostUpdate
 from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.pipeline.rollback import Rollback
 from gems.pipeline.shares import split_among
-from gems.plan import formats
 from gems.schedule.topology import Topology
 
 
@@ -106,42 +105,12 @@ class GradSync:
             raise GemsError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}: "
                             "convert the model to one dtype before training")
         dtype = dtypes.pop() if dtypes else torch.float32
-        sizes = {s: (sum(p.numel() for p in params[s]), sum(b.numel() for b in stats[s])) for s in params}
-        # a part whose model state lives on the host keeps only its statistics' copy in the bucket: its gradients
-        # are laid out as if there (the host copy's layout) but go to the host as backward makes them (parameters
-        # on the host too, ``_placed``) or exist only from the stage's first backward to its copy out (``gradients``)
-        self._placed = {k for k in params if k[0] in self._weights_on_host}
-        self._lazy = {k for k in params if k[0] in self._on_host and k not in self._placed}
-        self.bucket = torch.zeros(sum(n + g * (k not in (self._placed | self._lazy)) for k, (g, n) in sizes.items()),
-                                  dtype=dtype, device=device)
-        # per (stage, part): (its segment, its gradients, its statistics' copy, the statistics buffers)
-        # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
-        # for backward, and a view of the bucket would share its version counter with the
-        # gradients being accumulated, failing autograd's in-place check.
-        self._segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
-        self.places = GradPlaces(lambda: self.host.views)   # where each bucket parameter's .grad lives
-        self._offsets: dict[int, int] = {}   # id(parameter) -> where its gradient starts in the bucket
-        self._part_params = params   # per (stage, part), in bucket order
-        offset = 0
-        for s, (n_grad, n_stats) in sizes.items():
-            if not self._in_bucket(s):   # offsets relative to the part only (not into the bucket)
-                segment = self.bucket[offset:offset + n_stats]
-                self._segments[s] = (segment, segment[:0], segment, stats[s])
-                at = offset
-                for p in params[s]:
-                    release(p)      # no bucket of an earlier engine on these parameters takes their gradients
-                    p.grad = None   # autograd makes one per backward (hostweights), or ``gradients`` its place
-                    self._offsets[id(p)] = at
-                    at += p.numel()
-                offset += n_stats
-                continue
-            segment = self.bucket[offset:offset + n_grad + n_stats]
-            self._segments[s] = (segment, segment[:n_grad], segment[n_grad:], stats[s])
-            for p in params[s]:
-                self.places.add(p, formats.like(self.bucket[offset:offset + p.numel()], p))   # p's strides: NHWC stays
-                self._offsets[id(p)] = offset
-                offset += p.numel()
-            offset += n_stats
+        # a part whose model state lives on the host keeps only its statistics' copy in the bucket
+        # (``gems.pipeline.gradbucket``): its parameters on the host too (placed), or only its optimizer (lazy)
+        placed = {k for k in params if k[0] in self._weights_on_host}
+        lazy = {k for k in params if k[0] in self._on_host and k not in placed}
+        self.layout = GradBucket(params, stats, placed, lazy, dtype, device, lambda: self.host.views)
+        self.bucket = self.layout.flat
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
         # sharded: per (stage, part), its flat parameter buffer and where each member's run starts in it (and
@@ -171,21 +140,22 @@ class GradSync:
         optimizer gets the host copies of its parameters instead (``gems.pipeline.hostopt``)."""
         sharded = shard and bool(self.shard_groups)
         owned: list[nn.Parameter] = []
-        for key, mine in self._part_params.items():   # each part over its own sync group (a tiled one: every tile)
+        for key, mine in self.layout.params.items():   # each part over its own sync group (a tiled one: every tile)
             group = self._parts[key][1]
             bounds = None
             if sharded and group is not None:
                 mine, bounds = split_among(mine, group.size)
-                self._lay_out(key, mine)
+                self.layout.lay_out(key, mine)
             flat = self._hold_on_host(key, mine) if key[0] in self._on_host and mine else None
             if bounds is None:   # no other copy, or not sharded
                 owned += mine
                 continue
             owned += mine[bounds[group.rank]:bounds[group.rank + 1]]
             if mine:   # the part's gradients are contiguous; member k's run of whole parameters a piece of them
-                lo, hi = self._span(mine)
-                self._runs[key] = (self._flatten(mine, lo, hi) if flat is None else flat,
-                                   [self._offsets[id(mine[b])] - lo if b < len(mine) else hi - lo for b in bounds])
+                lo, hi = self.layout.span(mine)
+                self._runs[key] = (self.layout.flatten(mine, lo, hi) if flat is None else flat,
+                                   [self.layout.offsets[id(mine[b])] - lo if b < len(mine) else hi - lo
+                                    for b in bounds])
         if not sharded:
             return [self.host.parameter(p) for s in self.stages.values() for p in s.parameters()]
         if not owned:
@@ -194,39 +164,14 @@ class GradSync:
         self._owned = {id(p) for p in owned}
         return [self.host.parameter(p) for p in owned]
 
-    def _span(self, params: list[nn.Parameter]) -> tuple[int, int]:
-        """Where the gradients of ``params`` (contiguous, in this order) begin and end in the bucket."""
-        return self._offsets[id(params[0])], self._offsets[id(params[-1])] + params[-1].numel()
-
     def _hold_on_host(self, key: tuple[int, int], params: list[nn.Parameter]) -> torch.Tensor:
         """Part ``key`` in the host tier: its parameters become views of one device buffer laid out as
         their gradients (one copy back per part), copied to the host. Returns the host copy."""
-        lo, hi = self._span(params)
-        flat = self._flatten(params, lo, hi)
-        return self.host.add(key, self._segments[key][2], flat, params, [self._offsets[id(p)] - lo for p in params],
-                             key in self._placed)   # positional: tests count the parts by wrapping add
-
-    def _lay_out(self, key: tuple[int, int], ordered: list[nn.Parameter]) -> None:
-        """Place the gradients of part ``key`` in its segment in the order ``ordered`` (before the
-        first step: the bucket holds zeros)."""
-        offset = min((self._offsets[id(p)] for p in ordered), default=0)
-        for p in ordered:
-            if self._in_bucket(key):   # the others' are laid out on the host alone
-                self.places.move(p, formats.like(self.bucket[offset:offset + p.numel()], p))
-            self._offsets[id(p)] = offset
-            offset += p.numel()
-        self._part_params[key] = ordered
-
-    @torch.no_grad()
-    def _flatten(self, params: list[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
-        """One buffer holding ``params`` (the bucket's [lo, hi)), each parameter's data now a view of it."""
-        flat = torch.empty(hi - lo, dtype=params[0].dtype, device=params[0].device)
-        for p in params:
-            start = self._offsets[id(p)] - lo
-            view = formats.like(flat[start:start + p.numel()], p)
-            view.copy_(p)
-            p.data = view
-        return flat
+        lo, hi = self.layout.span(params)
+        flat = self.layout.flatten(params, lo, hi)
+        return self.host.add(key, self.layout.segments[key][2], flat, params,
+                             [self.layout.offsets[id(p)] - lo for p in params],
+                             key in self.layout.placed)   # positional: tests count the parts by wrapping add
 
     @property
     def sharded(self) -> bool:
@@ -248,16 +193,16 @@ class GradSync:
         kept their places (``GradPlaces.keep``)."""
         def zero() -> None:
             self.update.settle()
-            for _, grads, _, _ in self._segments.values():
+            for _, grads, _, _ in self.layout.segments.values():
                 grads.zero_()
             self.host.zero_grads()
-        self.places.keep(optimizer, zero)
+        self.layout.places.keep(optimizer, zero)
 
     def begin_step(self) -> None:
         """Check that the gradients live in their places (``GradPlaces.begin_step``: the bucket's
         parameters then take the step's first gradients by copy) and remember the buffers (restored
         if the step turns out not finite). Communicates nothing."""
-        self.places.begin_step()
+        self.layout.places.begin_step()
         for _, norms in self.batch_norms:
             norms.begin_step()
         self._rollback.remember()
@@ -275,20 +220,17 @@ class GradSync:
         not sharded (the new parameters go to the other members at once, ``share``)."""
         return self.host.held and not self.sharded and all(key in self.host for key in self._parts)
 
-    def _in_bucket(self, key: tuple[int, int]) -> bool:
-        return key not in self._placed and key not in self._lazy
-
     def taken(self, stage: int) -> None:
         """After gradients of ``stage`` were accumulated outside autograd's engine (a split backward's
         weight half, ``gems.pipeline.splitgrad``): each in its place."""
-        for key, params in self._part_params.items():
-            if key[0] == stage and self._in_bucket(key):
-                self.places.take(params)
+        for key, params in self.layout.params.items():
+            if key[0] == stage and self.layout.holds(key):
+                self.layout.places.take(params)
 
     def gradients(self, stage: int) -> None:
         """Before each backward of ``stage`` (or half of one): the device gradients of its parts on the
         host, made at the step's first (``HostTier.gradients``; ``_copy_out`` drops them after the last)."""
-        for key in self._lazy:
+        for key in self.layout.lazy:
             if key[0] == stage:
                 self.host.gradients(key)
 
@@ -299,8 +241,8 @@ class GradSync:
         for key, (_, group, _) in self._parts.items():
             if key[0] != stage:
                 continue
-            if self._in_bucket(key):
-                self.places.settle(self._part_params[key])
+            if self.layout.holds(key):
+                self.layout.places.settle(self.layout.params[key])
             if key in self.host:
                 self._copy_out(key)
             if group is not None:
@@ -321,21 +263,21 @@ class GradSync:
 
     def _gather_statistics(self, key: tuple[int, int]) -> None:
         """Part ``key``'s BatchNorm statistics into its segment's copy of them, to be summed with it."""
-        _, _, copy, buffers = self._segments[key]
+        _, _, copy, buffers = self.layout.segments[key]
         if buffers:
             torch.cat([b.reshape(-1) for b in buffers], out=copy)
 
     def _copy_out(self, key: tuple[int, int]) -> None:
         """Part ``key``'s gradients and statistics (gathered into their copy) on their way to the host."""
         self._gather_statistics(key)
-        self.host.copy_out(key, self._segments[key][2])
+        self.host.copy_out(key, self.layout.segments[key][2])
 
     def _summed(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """Part ``key``'s (segment, gradients, statistics' copy, statistics buffers) where it is summed:
         on the device, or its host copy."""
         if key in self.host:
-            return (*self.host.ready(key), self._segments[key][3])
-        return self._segments[key]
+            return (*self.host.ready(key), self.layout.segments[key][3])
+        return self.layout.segments[key]
 
     def _issue(self, key: tuple[int, int]):
         if key not in self.host:   # a part on the host gathered its statistics as it was copied out
@@ -354,8 +296,8 @@ class GradSync:
         order) and average the statistics; sum deferred BatchNorm sums over the sync group and
         ``loss`` (this rank's share of the global mean) over the world. Returns the global loss."""
         for key, (_, group, _) in self._parts.items():   # a part no reduce action starts: its gradients in place
-            if group is None and self._in_bucket(key):
-                self.places.settle(self._part_params[key])
+            if group is None and self.layout.holds(key):
+                self.layout.places.settle(self.layout.params[key])
         for key in self._parts:   # a lone copy on the host: its copy out (if no reduce action started it), done
             if key in self.host and self._parts[key][1] is None:
                 if not self.host.copied(key):
@@ -409,7 +351,7 @@ class GradSync:
                 self.last_grad_norm = math.sqrt(float(self._scalars[1]))
                 scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
                 if scale < 1.0:
-                    for key, (_, grads, _, _) in self._segments.items():
+                    for key, (_, grads, _, _) in self.layout.segments.items():
                         if key not in self.host:
                             grads.mul_(scale)
                     self.host.scale(scale)
