@@ -72,19 +72,21 @@ def engine_tensors(engine) -> list[torch.Tensor]:
     the flat gradient bucket the gradients live in, and the optimizer's state but for that of
     the stages whose state lives in host memory (``gems.pipeline.hostopt``: another tier)."""
     engine.grads.update.settle()   # the optimizer's state as the last step's update (a host worker's) left it
-    return training_tensors(engine.stages.values(), None, engine.bucket) + _device_state(engine)
+    return training_tensors(engine.stages.values(), None, engine.bucket) + _optimizer_state(engine, on_host=False)
 
 
 def device_state_bytes(engine) -> int:
     """Bytes of the optimizer's state a ``gems.Engine`` holds on its device (``engine_tensors``'
     share of it): none before its first applied step, in which torch's optimizers make it."""
     engine.grads.update.settle()
-    return storage_bytes(_device_state(engine))
+    return storage_bytes(_optimizer_state(engine, on_host=False))
 
 
-def _device_state(engine) -> list[torch.Tensor]:
+def _optimizer_state(engine, on_host: bool) -> list[torch.Tensor]:
+    """The tensors of the engine's optimizer's state of the parameters the host tier holds (``on_host``)
+    or of the others (on the device)."""
     host = engine.grads.host
-    return [v for p, state in engine.optimizer.state.items() if not host.holds(p) for v in state.values()
+    return [v for p, state in engine.optimizer.state.items() if host.holds(p) == on_host for v in state.values()
             if torch.is_tensor(v)]
 
 
@@ -95,9 +97,7 @@ def host_tier_bytes(engine) -> int:
     so its storages are counted as they are; the update's temporaries are not (on CPU ranks the
     allocator's high-water mark, the device tier's measure, sees them)."""
     engine.grads.update.settle()
-    host = engine.grads.host
-    return host.nbytes + storage_bytes(v for p, state in engine.optimizer.state.items() if host.holds(p)
-                                       for v in state.values() if torch.is_tensor(v))
+    return engine.grads.host.nbytes + storage_bytes(_optimizer_state(engine, on_host=True))
 
 
 def _memory_config() -> ProfilerConfig:
