@@ -17,7 +17,7 @@ finds (see the README's "GPU check" for bringing MPICH as a wheel file where the
    Where model state lives (``placements``): resnet50 2048² AdamW on one rank with its state on the
    device, host-optimizer and host (the measured saving against the predicted one, the step against
    device's), host-optimizer sharded under mast, and an AmoebaNet-D trained with host under an
-   enforced budget, its losses against the same plan's on the CPU.
+   enforced budget, its first loss against the same plan's on the CPU (float32 convolutions).
 3. With two or more GPUs: the same gems-train over NCCL (``--comm torch``), one GPU per rank.
 4. The speed recipe on one rank (gems-bench, resnet50 2048² batch 2, K=1): the default (NCHW, fp32
    with TF32 convolutions, eager) and the full recipe (bf16 autocast, channels_last, cuDNN benchmark,
@@ -50,6 +50,8 @@ LAYOUT = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", 
 # The parts by name, in the order they run (--parts picks some).
 PARTS = ("tests", "recipe-default", "recipe-full", "train-mast", "bench-mast", "spatial", "policies", "placements",
          "unet", "nccl")
+# The AmoebaNet part's first loss (same weights, float32 convolutions) against the CPU's: 3e-6 on an H200.
+FIRST_LOSS_RTOL = 1e-4
 # The speed recipes of part 4: gems-bench's flags for each.
 RECIPES = {"recipe-default": ["--no-channels-last", "--amp", "none"],
            "recipe-full": ["--channels-last", "--amp", "bf16", "--cudnn-benchmark", "--compile"]}
@@ -177,7 +179,11 @@ def placements(mpiexec: str, work: Path, timeout: float, shared: list[str]) -> l
     device, host-optimizer and host, each device-tier peak against its estimate, and host-optimizer's
     measured saving against the predicted one and its step against device's; host-optimizer sharded
     under mast on two ranks; an AmoebaNet-D whose state on the device misses an enforced budget trains
-    with host under it, its losses against the same plan's on the CPU."""
+    with host under it, its losses against the same plan's on the CPU (float32 convolutions, ``--no-tf32``:
+    with TF32 the first loss alone is ~1% off). Only the first loss, of the same weights, is held to
+    ``FIRST_LOSS_RTOL``; the later ones are figures: after an update this model at batch 2 magnifies
+    rounding, so that two CPUs' runs part by ~2% at the second step (measured on an H200 machine's CPU
+    against a development machine's)."""
     parts, train = [], command("gems-train")
     one = ["--model", "resnet50", "--num-classes", "10", "--image-size", "2048", "--batch-size", "2", "--stages",
            "1", "--schedule", "mp", "--optimizer", "adamw", "--steps", "4", *shared]
@@ -203,18 +209,21 @@ def placements(mpiexec: str, work: Path, timeout: float, shared: list[str]) -> l
     plan_json, budget = work / "amoeba-host.json", "1.6GiB"
     planned = run([*command("gems-plan"), *amoeba, "--state-placement", "host", "--memory-budget", budget,
                    "--recompute", "auto", "--json", str(plan_json)], timeout=timeout)
-    steps = ["--plan", str(plan_json), "--steps", "3", "--lr", "0.0001", "--lr-schedule", "constant", *shared]
-    gpu = run([mpiexec, "-n", "1", *train, *amoeba, *steps, "--memory-budget", budget, "--enforce-memory-budget",
+    steps = ["--plan", str(plan_json), "--steps", "3", "--lr", "0.0001", "--lr-schedule", "constant", "--no-tf32",
+             *shared]
+    gpu = run([mpiexec, "-n", "1", *train, *amoeba, *steps, "--enforce-memory-budget",   # the plan's budget
                "--metrics", str(work / "amoeba-gpu.jsonl")], timeout=timeout)
     cpu = run([mpiexec, "-n", "1", *train, *amoeba, *steps, "--metrics", str(work / "amoeba-cpu.jsonl")],
               timeout=timeout, env={"CUDA_VISIBLE_DEVICES": ""})
     losses = {"gpu": _losses(work / "amoeba-gpu.jsonl"), "cpu": _losses(work / "amoeba-cpu.jsonl")}
-    apart = max((abs(g - c) / abs(c) for g, c in zip(losses["gpu"], losses["cpu"])), default=None)
+    apart = [abs(g - c) / abs(c) for g, c in zip(losses["gpu"], losses["cpu"])]
+    code = next((c for c in (planned["code"], gpu["code"], cpu["code"]) if c != 0), 0)
+    if code == 0 and not (apart and apart[0] <= FIRST_LOSS_RTOL):
+        code = f"first loss not within {FIRST_LOSS_RTOL:g} of the CPU's"
     parts.append({"part": f"AmoebaNet-D(num_filters=256) 256² b2 Adam, host under an enforced {budget} (gems-plan, "
-                          "then gems-train on the GPU and the same plan on the CPU)", **gpu,
-                  "code": gpu["code"] if planned["code"] == 0 else planned["code"], "plan_stdout": planned["stdout"],
-                  **train_summary(gpu["stdout"]), "losses": losses, "largest_relative_loss_difference": apart,
-                  "cpu_code": cpu["code"]})
+                          "then gems-train on the GPU and the same plan on the CPU, float32 convolutions)", **gpu,
+                  "code": code, "plan_stdout": planned["stdout"], **train_summary(gpu["stdout"]), "losses": losses,
+                  "relative_loss_difference_per_step": [float(f"{a:.3g}") for a in apart], "cpu_code": cpu["code"]})
     return parts
 
 
@@ -297,7 +306,7 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
         for mem in part.get("host_tier", []):
             lines.append(f"- rank {mem['rank']} host tier: {mem['measured']} measured, {mem['estimated']} estimated "
                          f"({mem['error']})")
-        for key in ("saving_measured_over_predicted", "step_over_device", "losses", "largest_relative_loss_difference",
+        for key in ("saving_measured_over_predicted", "step_over_device", "losses", "relative_loss_difference_per_step",
                     "cpu_code"):
             if key in part:
                 lines.append(f"- {key.replace('_', ' ')}: {part[key]}")

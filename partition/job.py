@@ -107,7 +107,8 @@ class Job:
             part, policy = units[lo:hi], policies[s]
             mem = prices.memory(lo, hi, policy)
             on.append(costs.stage(cuts, s, policy))
-            optimizer, host, updated = stage_state(part, policy.state_placement, self.shares[lo:hi])
+            optimizer, host, updated = stage_state(part, policy.state_placement, self.shares[lo:hi],
+                                                   self.policies.device == "cuda")
             swapped = policy.state_placement == SWAPPED
             if swapped:
                 policies[s] = policy = replace(policy, weight_groups=weight_groups(part, lo))

@@ -8,6 +8,7 @@ down and the parameters up::
 
     device   parameters + gradients + buffers                       (optimizer state: none)
     host     optimizer state + parameters + gradients + buffers     (StageEstimate.host_state_bytes)
+             (+ the gradients' pinned staging, for ``host`` on CUDA)
     link     gradients + buffers down, parameters up, per step      (StageEstimate.swap_bytes)
 
 Time: the copy out overlaps the rest of the backward; the host update and the parameters' copy
@@ -51,17 +52,21 @@ HOST = "host-optimizer"
 HOST_UPDATE = {"sgd": 0.26e-9, "sgd-nomomentum": 0.26e-9, "adam": 0.39e-9, "adamw": 0.43e-9}
 
 
-def stage_state(units: Sequence[UnitProfile], placement: str, shares: Sequence[int]) -> tuple[int, int, int]:
+def stage_state(units: Sequence[UnitProfile], placement: str, shares: Sequence[int],
+                pinned: bool = False) -> tuple[int, int, int]:
     """(device optimizer bytes, host state bytes, gradient bytes the rank updates on the host) of a stage of
     ``units`` (of a profile with its optimizer state on the device or moved by ``ModelProfile.on_host``),
-    each unit's update shared by ``shares`` ranks (``--shard-optimizer``). What it moves per step:
-    ``optimizer_swap``, or for ``host`` per visit (``gems.partition.swapping``)."""
+    each unit's update shared by ``shares`` ranks (``--shard-optimizer``); ``pinned`` (CUDA): a ``host``
+    stage's gradients also land in a pinned staging copy before they are added on the host
+    (``HostTier.grad_out``). What it moves per step: ``optimizer_swap``, or for ``host`` per visit
+    (``gems.partition.swapping``)."""
     optimizer = sum(u.optimizer_bytes + u.host_optimizer_bytes for u in units)
     if placement not in (HOST, SWAPPED):
         return optimizer, 0, 0
     grads, buffers = sum(u.grad_bytes for u in units), sum(u.buffer_bytes for u in units)
     updated = sum(-(-u.grad_bytes // n) for u, n in zip(units, shares))
-    return 0, optimizer + 2 * grads + buffers, updated   # host: the same tier, the device's copy swapped
+    staging = grads if pinned and placement == SWAPPED else 0
+    return 0, optimizer + 2 * grads + buffers + staging, updated   # host: the same tier, the device's copy swapped
 
 
 def optimizer_swap(grad_bytes: int, buffer_bytes: int) -> tuple[int, int]:

@@ -41,3 +41,43 @@ def test_a_summary_s_host_tier_is_read_apart_from_the_device_tier():
     assert [m["measured"] for m in summary["memory"]] == ["96.38 MiB", "96.40 MiB"]
     assert [m["estimated"] for m in summary["host_tier"]] == ["170.66 MiB", "170.66 MiB"]
     assert gpu_check._bytes("1.5 GiB") == 1.5 * 2**30
+
+
+def test_every_command_it_launches_is_one_its_program_accepts(monkeypatch, tmp_path):
+    """The parts' command lines, checked here as each program parses and validates its flags before it
+    touches a device: a gpu-check part whose command a program refuses costs a GPU session the part."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check  # noqa: PLC0415
+    from gems.cli import bench, plan, train  # noqa: PLC0415
+
+    from torch import nn  # noqa: PLC0415
+
+    from gems import partition  # noqa: PLC0415
+
+    launched = []
+
+    def run(cmd, timeout, env=None):
+        launched.append(cmd)
+        if "--json" in cmd and any(word.endswith(("gems-plan", "gems.cli.plan")) for word in cmd):
+            # a plan for a later --plan to read (a tiny model's: only the flags are checked here)
+            tiny = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), nn.Sequential(nn.Linear(144, 2)))
+            partition.plan(tiny, (3, 8, 8), batch_size=2, stages=1).to_json(cmd[cmd.index("--json") + 1])
+        return {"command": " ".join(cmd), "code": 0, "seconds": 0.0, "stdout": "", "stderr": ""}
+
+    monkeypatch.setattr(gpu_check, "run", run)
+    gpu_check.pipelines("mpiexec", 2, tmp_path, 60.0, lambda parts: None)
+    programs = {"gems.cli.train": "train", "gems.cli.bench": "bench", "gems.cli.plan": "plan"}
+    checked = {"train": 0, "bench": 0, "plan": 0}
+    for cmd in launched:
+        at = next(i for i, word in enumerate(cmd) if word.endswith(("gems-train", "gems-bench", "gems-plan"))
+                  or word in programs)
+        name = programs.get(cmd[at], cmd[at].rsplit("gems-", 1)[-1])
+        argv = cmd[at + 1:]
+        if name == "plan":
+            plan.build_parser().parse_args(argv)
+        elif name == "bench":
+            bench.parse(argv).validate(world=int(cmd[cmd.index("-n") + 1]))
+        else:
+            train.parse(argv).validate()
+        checked[name] += 1
+    assert checked["train"] >= 10 and checked["bench"] >= 3 and checked["plan"] >= 1, checked

@@ -87,10 +87,15 @@ def test_host_placement_keeps_the_weights_on_the_host_and_moves_them_per_visit(s
         assert d.static_bytes == 4 * layer * len(e.unit_names)
         assert h.static_bytes == 3 * layer   # one group with its gradients, the next one's weights
         assert h.peak_bytes == h.static_bytes + h.activation_bytes + h.transient_bytes + h.send_bytes
-        assert e.host_state_bytes == 4 * layer * len(e.unit_names) and e.group_bytes == [layer] * len(e.unit_names)
+        # its parameters, gradients and Adam's two moments; on CUDA (the default device) each gradient also lands
+        # in a pinned staging copy before it is added on the host (HostTier.grad_out)
+        assert e.host_state_bytes == 5 * layer * len(e.unit_names) and e.group_bytes == [layer] * len(e.unit_names)
         # grouped: one forward run and one backward run of 4 micro-batches each per step
         assert host.swap_bytes[h.position] == [2 * e.param_bytes, e.grad_bytes]
     assert host.state_host_bytes == [e.host_state_bytes for e in host.stage_estimates]
+    on_cpu = _chain(balance=[6, 2], state_placement="host", device="cpu")   # no staging: added as they come
+    assert [e.host_state_bytes for e in on_cpu.stage_estimates] == [4 * layer * len(e.unit_names)
+                                                                    for e in host.stage_estimates]
     assert host.swap_grouped   # tiny layers: transfers dominate, so grouped is predicted faster
     assert any("3.01 MiB up and 1.51 MiB down per step (12.05 MiB and 6.02 MiB once per forward and backward "
                "action;" in n for n in host.notes)   # 4 micro-batches: 4 times the volume ungrouped

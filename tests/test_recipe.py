@@ -27,6 +27,10 @@ def test_apply_sets_cudnn_autotuning_on_cuda_and_caps_its_workspace(monkeypatch)
     assert torch.backends.cudnn.benchmark and os.environ["CUDNN_CONV_WSCAP_DBG"] == "3"
     Recipe(cudnn_benchmark=False).apply("cuda", -1)   # a plan over its budget leaves no room at all
     assert not torch.backends.cudnn.benchmark and os.environ["CUDNN_CONV_WSCAP_DBG"] == "0"
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert torch.backends.cudnn.allow_tf32   # torch's default, --tf32's
+    Recipe(tf32=False).apply("cuda")
+    assert not torch.backends.cudnn.allow_tf32
 
 
 def test_the_room_a_budget_leaves_above_the_estimate():
@@ -42,10 +46,11 @@ def test_the_cli_flags_reach_the_configuration(capsys):
     from gems.cli import train
 
     with pytest.raises(SystemExit) as stop:
-        train.main(["--channels-last", "--no-cudnn-benchmark", "--amp", "bf16", "--print-config"])
+        train.main(["--channels-last", "--no-cudnn-benchmark", "--no-tf32", "--amp", "bf16", "--print-config"])
     assert stop.value.code == 0
     printed = capsys.readouterr().out
     assert "channels_last = true" in printed and "cudnn_benchmark = false" in printed and 'amp = "bf16"' in printed
+    assert "tf32 = false" in printed
     assert TrainConfig().channels_last is None   # unset: by device
 
 

@@ -185,6 +185,7 @@ def recipe(cfg: BenchConfig, device_type: str) -> str:
              "compiled" if cfg.compile else "eager"]
     if device_type == "cuda":
         parts.append("cuDNN benchmark" if cfg.cudnn_benchmark else "no cuDNN benchmark")
+        parts.append("TF32 convolutions" if cfg.tf32 else "float32 convolutions")
     return ", ".join(parts)
 
 

@@ -98,6 +98,8 @@ class Recipe:
     compile_cache: str | None = opt(None, "directory for the compiler's caches, kept across runs (default: "
                                     "CHECKPOINT_DIR/compile-cache for gems-train, else the compiler's own)")
     cudnn_benchmark: bool = opt(True, "let cuDNN time its algorithms for each (fixed) shape on CUDA")
+    tf32: bool = opt(True, "let cuDNN run float32 convolutions on TF32 tensor cores on CUDA (torch's default; "
+                     "--no-tf32: full float32, e.g. to compare a run with one on CPU)")
 
     def memory_format(self, device_type: str) -> str:
         """``"channels_last"`` or ``"contiguous"``: ``--channels-last`` if given, else by device."""
@@ -112,7 +114,7 @@ class Recipe:
         return torch.bfloat16 if self.amp == "bf16" else None
 
     def apply(self, device_type: str, workspace: int | None = None) -> None:
-        """The process-wide part, once per process before any engine: cuDNN's autotuning, and with
+        """The process-wide part, once per process before any engine: cuDNN's autotuning and TF32, and with
         ``workspace`` (bytes, e.g. the room a memory budget leaves above the plan's estimate) the most
         convolution workspace cuDNN may take (PyTorch's ``CUDNN_CONV_WSCAP_DBG``, in MiB), so the
         algorithms it tries stay within the budget."""
@@ -121,6 +123,7 @@ class Recipe:
         import torch  # noqa: PLC0415 - the configuration itself loads no torch
 
         torch.backends.cudnn.benchmark = bool(self.cudnn_benchmark) and device_type == "cuda"
+        torch.backends.cudnn.allow_tf32 = bool(self.tf32)
         if workspace is not None and device_type == "cuda":
             os.environ["CUDNN_CONV_WSCAP_DBG"] = str(max(0, workspace) // 2**20)
 

@@ -46,7 +46,7 @@ FIELDS: dict[str, tuple[str, str]] = {
                  "--state-placement"),
     "boundaries": ("stage boundary shapes and dtypes", "give every rank the same --plan file and --image-size"),
     "precision": ("mixed precision", "give every rank the same --amp"),
-    "recipe": ("speed recipe", "give every rank the same --channels-last, --compile and --cudnn-benchmark"),
+    "recipe": ("speed recipe", "give every rank the same --channels-last, --compile, --cudnn-benchmark and --tf32"),
     "batch_norm": ("BatchNorm mode", "give every rank the same --batch-norm"),
     "optimizer": ("optimizer settings", "give every rank the same --optimizer, --lr, --momentum, "
                   "--weight-decay, --warmup-steps, --lr-schedule, --clip-grad-norm and --skip-nonfinite"),
@@ -113,7 +113,8 @@ def training(job) -> dict[str, object]:
         "policies": [asdict(p) for p in plan.policies],
         "boundaries": _digest(plan.stage_output_shapes, plan.stage_output_dtypes),
         "precision": cfg.amp,
-        "recipe": {"memory_format": plan.memory_format, "compile": cfg.compile, "cudnn_benchmark": cfg.cudnn_benchmark},
+        "recipe": {"memory_format": plan.memory_format, "compile": cfg.compile, "cudnn_benchmark": cfg.cudnn_benchmark,
+                   "tf32": cfg.tf32},
         "batch_norm": cfg.batch_norm,
         "optimizer": {k: getattr(cfg, k) for k in ("optimizer", "lr", "momentum", "weight_decay", "warmup_steps",
                                                   "lr_schedule", "clip_grad_norm", "skip_nonfinite")},
