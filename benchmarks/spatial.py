@@ -28,6 +28,13 @@ to at least 0.85) -- and where spatial's step goes on each rank, medians over th
 waits inside them), the tile group's halo, statistics and gather waits, the gradient allreduce,
 the optimizer, the rest; ``--layers N``: the N layers that wait longest. Not part of the installed
 package.
+
+``--instant tiles`` measures what the tiles' traffic costs: every message and sum of the tile group
+completes at once (receive buffers zeroed, sums left as this tile's own), the gradient allreduce
+still real; ``--instant all`` makes the gradient allreduce (and the loss's) instant too, so the step
+is the tiles' compute alone -- halo rows, region assembly, two-pass normalisation, the bucket's
+copies -- the floor of exact tiles on these cores. Either is a measurement, not training: the
+losses are not the model's.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from gems.errors import GemsError
 from gems.graph import graph_units
 from gems.obs import trace
 from gems.spatial.geometry import parts
+from gems.spatial import TiledUnit
 from gems.spatial.limit import spatial_limit
 from gems.train.optim import sgd
 
@@ -81,6 +89,41 @@ def _times(steps, args, comm, after=None, spin: bool = False) -> list[list[float
         if i >= args.warmup and after:
             after(i)
     return times
+
+
+class Instant:
+    """A communicator whose point-to-point messages and sums complete at once (``--instant``): a
+    receive leaves zeros, a sum this rank's own part, a gather or exchange of runs the rank's own
+    data; the rest (``wait``, ``group``, ...) is the real communicator's."""
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    @staticmethod
+    def _done() -> comm_lib.Request:
+        return comm_lib.Request(lambda: True, "instant")
+
+    def ibatch(self, ops) -> list:
+        for op in ops:
+            if op.op == "recv":
+                for buffer in op.tensors:
+                    buffer.zero_()
+        return [self._done() for _ in ops]
+
+    def iallreduce(self, tensor, group) -> comm_lib.Request:
+        return self._done()
+
+    def allreduce(self, tensor, group, what, backoff=None) -> None:
+        pass
+
+    def iallgather_runs(self, flat, bounds, group) -> comm_lib.Request:
+        return self._done()
+
+    def ireduce_scatter_runs(self, flat, bounds, group) -> comm_lib.Request:
+        return self._done()
 
 
 def categories(spans: list[trace.Span], wall: float) -> dict[str, float]:
@@ -134,6 +177,9 @@ def main() -> None:
     p.add_argument("--one-rank", action="store_true", help="also time plain PyTorch on the whole image on one rank")
     p.add_argument("--mp", action="store_true", help="also time model parallelism (K = ranks, the planner's cut)")
     p.add_argument("--spin", action="store_true", help="waits poll without sleeping (a core per rank)")
+    p.add_argument("--instant", choices=("tiles", "all"), default=None,
+                   help="make the tile group's traffic (tiles), or all communication of the step (all), complete at "
+                        "once: what it costs (module docstring)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the spatial run's tiles share the optimizer step (reduce-scatter, a share of the update each)")
     args = p.parse_args()
@@ -180,6 +226,12 @@ def run(args, comm) -> None:
     plan.shard_optimizer = args.shard_optimizer
     plan.check()
     engine = gems.Engine(copy.deepcopy(model), plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
+    if args.instant:
+        instant = Instant(comm)
+        for unit in (u for stage in engine.stages.values() for u in stage.modules() if isinstance(u, TiledUnit)):
+            unit.tiles.comm = instant   # the tile group its layers talk through
+        if args.instant == "all":
+            engine.grads.comm = instant
     timelines, walls, started = [], [], [0.0]
 
     def spatial() -> None:
@@ -234,8 +286,10 @@ def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per
     print(f"  ceiling: each rank its own tile, plain PyTorch, all at once {ms(t_ceiling)}   (the slowest rank's; "
           f"each rank's own: {min(own) * 1e3:.1f}-{max(own) * 1e3:.1f} ms)")
     sharded = ", optimizer sharded" if args.shard_optimizer else ""
+    counted = {None: "gradient allreduce counted", "tiles": "tile traffic instant, gradient allreduce counted",
+               "all": "all communication instant: the tiles' compute alone"}[args.instant]
     print(f"  spatial {grid[0]}x{grid[1]}, units [0,{plan.spatial_end}) of {len(plan.unit_names)} tiled{sharded} "
-          f"{ms(t_spatial)}   {statistics.median(ratios):5.3f} of the ceiling (gradient allreduce counted; "
+          f"{ms(t_spatial)}   {statistics.median(ratios):5.3f} of the ceiling ({counted}; "
           f"{ratios[0]:.3f}-{ratios[-1]:.3f} over the pairs of steps)")
     if t_one is not None:
         print(f"  one rank, the whole image {ms(t_one)}   spatial {t_one / t_spatial:5.2f}x one rank, "
