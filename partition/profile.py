@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from gems.errors import GemsError
-from gems.graph import READS, input_error
+from gems.graph import READS, TRACING, input_error
 from gems.plan import formats
 from .records import ModelProfile, Storage, UnitProfile
 from .tracking import Allocations, Precision, StorageKeys, WeightedOutputs, storage_bytes, tensor_bytes
@@ -82,7 +82,7 @@ def profile(model: nn.Sequential, input_shape: Sequence[int], micro_batch_size: 
     try:
         for u in units:
             u.train()  # profile what training keeps: BatchNorm in batch-statistics mode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with TRACING, FakeTensorMode(allow_non_fake_inputs=True):   # no other thread's fx trace meanwhile
             return _Run(units, names, tuple(input_shape), micro_batch_size, dtype, optimizer,
                         model_name or "the model", autocast, memory_format).result()
     finally:

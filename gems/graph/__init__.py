@@ -99,7 +99,8 @@ def graph_units(model: nn.Module, input_shape: Sequence[int], batch: int,
     together: Together = {}
     first: Exception | None = None
     if isinstance(model, nn.Sequential) and tracer == "auto":   # its children are its units
-        gm, values = chain_graph(model, shape, model_name)
+        with TRACING:
+            gm, values = chain_graph(model, shape, model_name)
         return GraphUnits(*_units(gm, values, together), model)
     fx_tracer = Tracer(model, tuple(leaf_modules))
     if tracer != "export":

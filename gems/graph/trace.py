@@ -18,7 +18,10 @@ from gems.errors import GemsError
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 VALUE = "gems_value"   # node.meta key: the node's value on the fake input
-TRACING = threading.Lock()   # fx patches nn.Module process-wide while it traces: one trace at a time
+# fx patches nn.Module process-wide while it traces, so one trace at a time, and no fake run of modules
+# (gems.graph.chain) beside one: another thread's module calls would go through its tracer. Re-entrant: a
+# module run under it may trace (a tiled unit flattens its layers).
+TRACING = threading.RLock()
 
 
 def fake_state(mode: FakeTensorMode, model: nn.Module) -> dict[str, torch.Tensor]:
