@@ -8,8 +8,11 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import REPO
+from gems import partition
+from gems.cli import bench, plan, train
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -48,11 +51,6 @@ def test_every_command_it_launches_is_one_its_program_accepts(monkeypatch, tmp_p
     touches a device: a gpu-check part whose command a program refuses costs a GPU session the part."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_check  # noqa: PLC0415
-    from gems.cli import bench, plan, train  # noqa: PLC0415
-
-    from torch import nn  # noqa: PLC0415
-
-    from gems import partition  # noqa: PLC0415
 
     launched = []
 
