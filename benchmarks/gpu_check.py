@@ -88,11 +88,13 @@ def launcher() -> str | None:
     return None
 
 
+MODULES = {"gems-train": "gems.cli.train", "gems-bench": "gems.cli.bench", "gems-plan": "gems.cli.plan"}
+
+
 def command(name: str) -> list[str]:
     """A gems console script, or ``python -m`` its module where the script is not installed."""
     script = BIN / name
-    module = {"gems-train": "gems.cli.train", "gems-bench": "gems.cli.bench", "gems-plan": "gems.cli.plan"}[name]
-    return [str(script)] if script.is_file() else [sys.executable, "-m", module]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", MODULES[name]]
 
 
 CHILD_CWD = REPO   # the children's working folder: importable_gems's choice, set by main
@@ -306,8 +308,8 @@ def markdown(info: dict, tests: dict, parts: list[dict]) -> str:
         for mem in part.get("host_tier", []):
             lines.append(f"- rank {mem['rank']} host tier: {mem['measured']} measured, {mem['estimated']} estimated "
                          f"({mem['error']})")
-        for key in ("saving_measured_over_predicted", "step_over_device", "losses", "relative_loss_difference_per_step",
-                    "cpu_code"):
+        for key in ("saving_measured_over_predicted", "step_over_device", "losses",
+                    "relative_loss_difference_per_step", "cpu_code"):
             if key in part:
                 lines.append(f"- {key.replace('_', ' ')}: {part[key]}")
         if part.get("recipe"):

@@ -54,8 +54,8 @@ from gems import models, partition
 from gems.errors import GemsError
 from gems.graph import graph_units
 from gems.obs import trace
-from gems.spatial.geometry import parts
 from gems.spatial import TiledUnit
+from gems.spatial.geometry import parts
 from gems.spatial.limit import spatial_limit
 from gems.train.optim import sgd
 

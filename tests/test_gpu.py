@@ -288,7 +288,8 @@ def test_host_optimizer_on_cuda_trains_like_the_device_and_frees_the_optimizer_s
                                                                                       sgd_device["params"])
     report(test="host-optimizer-sgd", side=side, model="wide_convs", after_one_step=after_one,
            after_three_steps=after_three,
-           max_abs_difference={k: float((sgd_host["params"][k] - v).abs().max()) for k, v in sgd_device["params"].items()})
+           max_abs_difference={k: float((sgd_host["params"][k] - v).abs().max())
+                               for k, v in sgd_device["params"].items()})
     assert after_one[0] <= 1 and after_three[0] <= 1, \
         f"SGD's parameters beyond rtol 1e-5, atol 1e-6: {after_one} after one step, {after_three} after three"
     device, host = runs[("device", "adamw")], runs[("host-optimizer", "adamw")]

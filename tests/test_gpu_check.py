@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,11 +53,18 @@ def test_every_command_it_launches_is_one_its_program_accepts(monkeypatch, tmp_p
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_check  # noqa: PLC0415
 
+    # the program a command runs, by its console script or by ``python -m`` its module
+    programs = {**{name: name for name in gpu_check.MODULES}, **{m: name for name, m in gpu_check.MODULES.items()}}
+
+    def program(cmd: list[str]) -> tuple[str, list[str]]:
+        at = next(i for i, word in enumerate(cmd) if Path(word).name in programs)
+        return programs[Path(cmd[at]).name], cmd[at + 1:]
+
     launched = []
 
     def run(cmd, timeout, env=None):
         launched.append(cmd)
-        if "--json" in cmd and any(word.endswith(("gems-plan", "gems.cli.plan")) for word in cmd):
+        if program(cmd)[0] == "gems-plan" and "--json" in cmd:
             # a plan for a later --plan to read (a tiny model's: only the flags are checked here)
             tiny = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), nn.Sequential(nn.Linear(144, 2)))
             partition.plan(tiny, (3, 8, 8), batch_size=2, stages=1).to_json(cmd[cmd.index("--json") + 1])
@@ -64,18 +72,14 @@ def test_every_command_it_launches_is_one_its_program_accepts(monkeypatch, tmp_p
 
     monkeypatch.setattr(gpu_check, "run", run)
     gpu_check.pipelines("mpiexec", 2, tmp_path, 60.0, lambda parts: None)
-    programs = {"gems.cli.train": "train", "gems.cli.bench": "bench", "gems.cli.plan": "plan"}
-    checked = {"train": 0, "bench": 0, "plan": 0}
+    checked = {"gems-train": 0, "gems-bench": 0, "gems-plan": 0}
     for cmd in launched:
-        at = next(i for i, word in enumerate(cmd) if word.endswith(("gems-train", "gems-bench", "gems-plan"))
-                  or word in programs)
-        name = programs.get(cmd[at], cmd[at].rsplit("gems-", 1)[-1])
-        argv = cmd[at + 1:]
-        if name == "plan":
+        name, argv = program(cmd)
+        if name == "gems-plan":
             plan.build_parser().parse_args(argv)
-        elif name == "bench":
+        elif name == "gems-bench":
             bench.parse(argv).validate(world=int(cmd[cmd.index("-n") + 1]))
         else:
             train.parse(argv).validate()
         checked[name] += 1
-    assert checked["train"] >= 10 and checked["bench"] >= 3 and checked["plan"] >= 1, checked
+    assert checked["gems-train"] >= 10 and checked["gems-bench"] >= 3 and checked["gems-plan"] >= 1, checked
