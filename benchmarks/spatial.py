@@ -26,8 +26,10 @@ the ceiling's step over spatial's, with its range (issue 36 holds resnet18 at 51
 to at least 0.85) -- and where spatial's step goes on each rank, medians over the steps
 (``gems.obs.trace`` kinds, from the engine's timeline): compute (forward and backward less the
 waits inside them), the tile group's halo, statistics and gather waits, the gradient allreduce,
-the optimizer, the rest; ``--layers N``: the N layers that wait longest. Not part of the installed
-package.
+the optimizer, the rest; ``--layers N``: the N layers that wait longest; ``--ops N``: rank 0's N
+operations whose self CPU time differs most between spatial's step and the ceiling's (torch.profiler,
+a few rounds after the timed ones), which says what the tiles compute beyond the ceiling and where
+their Python and waits go. Not part of the installed package.
 
 ``--instant tiles`` measures what the tiles' traffic costs: every message and sum of the tile group
 completes at once (receive buffers zeroed, sums left as this tile's own), the gradient allreduce
@@ -43,10 +45,11 @@ import copy
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import gems
 from gems import comm as comm_lib
@@ -59,6 +62,7 @@ from gems.spatial.geometry import parts
 from gems.spatial.limit import spatial_limit
 from gems.train.optim import sgd
 
+PROFILED_ROUNDS = 3   # --ops: rounds profiled after the timed ones
 LR = 0.01   # every run's SGD (gems-bench's: momentum 0.9, fused where torch can)
 WAITS = sorted(set(trace.TILE_KINDS.values()))
 CATEGORIES = ["compute", *WAITS, "gradient allreduce", "optimizer", "rest"]
@@ -89,6 +93,25 @@ def _times(steps, args, comm, after=None, spin: bool = False) -> list[list[float
         if i >= args.warmup and after:
             after(i)
     return times
+
+
+def operations(steps, comm, rounds: int = PROFILED_ROUNDS) -> list[Counter]:
+    """Rank 0's self CPU milliseconds per step by operation (torch.profiler's names: aten operators,
+    autograd Functions -- whose self time holds their Python and the waits inside them), for each of
+    ``steps``, over ``rounds`` rounds that call each in turn, every rank in step (the others unprofiled).
+    torch.profiler records the thread that profiles: on loopback ranks, rank 0's own operations."""
+    totals = [Counter() for _ in steps]
+    for _ in range(rounds):
+        for k, step in enumerate(steps):
+            comm.wait(comm.ibarrier(), "the benchmark's barrier", comm_lib.Backoff(0, 0))
+            if comm.rank != 0:
+                step()
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            for event in prof.key_averages():
+                totals[k][event.key] += event.self_cpu_time_total / 1e3 / rounds
+    return totals
 
 
 class Instant:
@@ -180,6 +203,9 @@ def main() -> None:
     p.add_argument("--instant", choices=("tiles", "all"), default=None,
                    help="make the tile group's traffic (tiles), or all communication of the step (all), complete at "
                         "once: what it costs (module docstring)")
+    p.add_argument("--ops", type=int, default=0,
+                   help="profile rank 0 and print the N operations whose time differs most between spatial's step "
+                        "and the ceiling's")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the spatial run's tiles share the optimizer step (reduce-scatter, a share of the update each)")
     args = p.parse_args()
@@ -257,6 +283,7 @@ def run(args, comm) -> None:
         for label, seconds in layer_waits(s).items():
             waits[label].append(seconds)
     per_rank = comm.allgather_object((mine, {k: statistics.median(v) for k, v in waits.items()}))
+    ops = operations([ceiling, spatial], comm) if args.ops else None
     engine = None   # its memory free for the runs below (the closures above are done with it)
 
     t_one = t_mp = None
@@ -268,6 +295,8 @@ def run(args, comm) -> None:
         t_mp = _steps(lambda: mp.step(x, y), args, comm)
     if comm.rank == 0:
         report(args, plan, (rows, cols), t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank)
+        if ops is not None:
+            report_operations(args.ops, *ops)
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -309,6 +338,18 @@ def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per
         print(f"  the {args.layers} longest tile waits, ms (mean over the ranks of the median step):")
         for label, seconds in sorted(total.items(), key=lambda kv: -kv[1])[:args.layers]:
             print(f"    {label:48s} {seconds * 1e3:7.2f}")
+
+
+def report_operations(n: int, ceiling: Counter, spatial: Counter) -> None:
+    """The ``n`` operations whose self CPU time per step differs most between spatial's step and the
+    ceiling's (``operations``), largest difference first, and the totals."""
+    print(f"  rank 0's operations, self CPU ms per step (torch.profiler, {PROFILED_ROUNDS} rounds after the timed "
+          "ones; an autograd Function's self time holds its Python and its waits):")
+    print(f"    {'spatial':>9} {'ceiling':>9} {'difference':>11}  operation")
+    for key in sorted(ceiling.keys() | spatial.keys(), key=lambda k: -abs(spatial[k] - ceiling[k]))[:n]:
+        print(f"    {spatial[key]:9.2f} {ceiling[key]:9.2f} {spatial[key] - ceiling[key]:+11.2f}  {key}")
+    total_s, total_c = sum(spatial.values()), sum(ceiling.values())
+    print(f"    {total_s:9.2f} {total_c:9.2f} {total_s - total_c:+11.2f}  all operations")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """benchmarks/spatial.py on two loopback ranks (threads: its figures mean nothing here, only that it
-runs and reports): the ratio line, and ``--instant`` keeping the tile group's messages off the
-communicator."""
+runs and reports): the ratio line, ``--ops`` rank 0's operations, and ``--instant`` keeping the tile
+group's messages off the communicator."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO
 from gems.comm import loopback
 from gems.spatial.tiles import TILE_TAG
+
+TILES_OWN = {"_Window", "_WindowBackward", "_AllReduce", "_BatchNorm", "_BatchNormBackward"}
 
 
 def benchmark():
@@ -24,11 +26,21 @@ def benchmark():
 def test_the_benchmark_reports_its_ratio_and_instant_keeps_the_tiles_off_the_wire(instant, capsys):
     bench = benchmark()
     args = argparse.Namespace(model="resnet18", image_size=64, batch_size=1, grid=None, end=None, steps=2, warmup=1,
-                              layers=0, one_rank=False, mp=False, spin=False, instant=instant, shard_optimizer=False)
+                              layers=0, one_rank=False, mp=False, spin=False, instant=instant, shard_optimizer=False,
+                              ops=0 if instant else 4)
     received = loopback.run(2, lambda comm: bench.run(args, comm) or dict(comm.received), timeout=120)
-    line = next(line for line in capsys.readouterr().out.splitlines() if "of the ceiling" in line)
+    out = capsys.readouterr().out.splitlines()
+    line = next(line for line in out if "of the ceiling" in line)
     tiles = [sum(n for tag, n in r.items() if tag >= TILE_TAG) for r in received]
     if instant is None:
         assert "(gradient allreduce counted;" in line and all(n > 0 for n in tiles), (line, tiles)
+        # --ops: four operations, tiles' own among them (autograd Functions of gems.spatial: the ceiling has
+        # none), then the totals
+        at = next(i for i, text in enumerate(out) if "rank 0's operations" in text)
+        rows = [text.split() for text in out[at + 2:at + 7]]
+        assert len(rows) == 5 and rows[-1][3:] == ["all", "operations"], out[at:]
+        assert any(r[3] in TILES_OWN and float(r[1]) == 0 < float(r[0]) for r in rows[:4]), out[at:]
+        assert all(float(a) - float(b) == pytest.approx(float(d), abs=0.02) for a, b, d, *_ in rows), out[at:]
+        assert not any("rank 0's operations" in text for text in out[at + 1:])
     else:
         assert "(all communication instant: the tiles' compute alone;" in line and tiles == [0, 0], (line, tiles)
