@@ -98,19 +98,21 @@ def _times(steps, args, comm, after=None, spin: bool = False) -> list[list[float
 def operations(steps, comm, rounds: int = PROFILED_ROUNDS) -> list[Counter]:
     """Rank 0's self CPU milliseconds per step by operation (torch.profiler's names: aten operators,
     autograd Functions -- whose self time holds their Python and the waits inside them), for each of
-    ``steps``, over ``rounds`` rounds that call each in turn, every rank in step (the others unprofiled).
-    torch.profiler records the thread that profiles: on loopback ranks, rank 0's own operations."""
+    ``steps``, over ``rounds`` rounds of ``_times`` (the other ranks unprofiled). torch.profiler
+    records the thread that profiles: on loopback ranks, rank 0's own operations."""
     totals = [Counter() for _ in steps]
-    for _ in range(rounds):
-        for k, step in enumerate(steps):
-            comm.wait(comm.ibarrier(), "the benchmark's barrier", comm_lib.Backoff(0, 0))
+
+    def profiled(step, total: Counter):
+        def run() -> None:
             if comm.rank != 0:
-                step()
-                continue
+                return step()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
             for event in prof.key_averages():
-                totals[k][event.key] += event.self_cpu_time_total / 1e3 / rounds
+                total[event.key] += event.self_cpu_time_total / 1e3 / rounds
+        return run
+    _times([profiled(s, t) for s, t in zip(steps, totals)], argparse.Namespace(steps=rounds, warmup=0), comm,
+           spin=True)
     return totals
 
 
