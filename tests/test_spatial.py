@@ -117,7 +117,7 @@ def test_a_grid_larger_than_a_tile_side_is_refused():
 
 
 def test_geometry():
-    assert parts(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert parts(10, 3) == ((0, 3), (3, 6), (6, 10))
     assert window_need((0, 5), 5, 2, 2) == (-2, 11)          # stem 5x5 / 2, padding 2
     assert window_need((5, 10), 3, 1, 1) == (4, 11)
     assert transposed_need((0, 4), 3, 3, 2, 1) == (0, 3)     # output rows 0..3 of a 3-row input

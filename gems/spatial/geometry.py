@@ -9,16 +9,18 @@ reach outside ``[0, size)``: those rows are the operation's padding, filled, nev
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 Range = tuple[int, int]
 
 
-def parts(size: int, count: int) -> list[Range]:
+@functools.lru_cache(maxsize=4096)   # a tile's layers ask for the same few cuts at every call
+def parts(size: int, count: int) -> tuple[Range, ...]:
     """``count`` consecutive near-equal ranges covering ``[0, size)``: range t is
     ``[t*size//count, (t+1)*size//count)``, so no two differ by more than one row."""
-    return [(t * size // count, (t + 1) * size // count) for t in range(count)]
+    return tuple((t * size // count, (t + 1) * size // count) for t in range(count))
 
 
 def intersect(a: Range, b: Range) -> Range | None:

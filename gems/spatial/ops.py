@@ -35,10 +35,18 @@ def _count(tiles: TileGroup, dim: int) -> int:
 
 
 def halos(tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo, dilation=(1, 1),
-          fill: float = 0.0, symmetric: bool = True) -> tuple[list[Halo], tuple[int, int]]:
+          fill: float = 0.0, symmetric: bool = True) -> tuple[tuple[Halo, ...], tuple[int, int]]:
     """The halos a sliding window needs for this tile's output rows and columns, and the padding
     the window still applies itself: along an axis the grid does not cut, a ``symmetric`` padding
-    stays the layer's own (no copy); along a cut one the halo replaces it."""
+    stays the layer's own (no copy); along a cut one the halo replaces it. Worked out once per
+    geometry (``TileGroup.memo``)."""
+    key = ("halos", tuple(size_in), tuple(size_out), tuple(kernel), tuple(stride), tuple(pad_lo), tuple(dilation),
+           fill, symmetric)
+    return tiles.memo(key, _halos, tiles, size_in, size_out, kernel, stride, pad_lo, dilation, fill, symmetric)
+
+
+def _halos(tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo, dilation, fill: float,
+           symmetric: bool) -> tuple[tuple[Halo, ...], tuple[int, int]]:
     pads, found = [0, 0], []
     for axis, dim in enumerate(DIMS):
         k, s, p, d = kernel[axis], stride[axis], pad_lo[axis], dilation[axis]
@@ -48,7 +56,7 @@ def halos(tiles: TileGroup, size_in: HW, size_out: HW, kernel, stride, pad_lo, d
         h = Halo.sliding(tiles, dim, size_in[axis], size_out[axis], Sliding(k, s, p, d), fill)
         # padded unlike at its two ends, a tile cannot start alone with the layer's padding (window._alone)
         found.append(h if symmetric else dataclasses.replace(h, window=None))
-    return found, tuple(pads)
+    return tuple(found), tuple(pads)
 
 
 def conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int]:

@@ -48,6 +48,9 @@ class TileGroup:
     # set by ``gems.spatial.unit`` as each layer runs); None: nothing recorded
     timer: object = field(default=None, repr=False)
     layer: str = field(default="", repr=False)
+    # what the layers' fixed geometry decides, computed on a layer's first call (``memo``)
+    _memo: dict = field(default_factory=dict, repr=False)
+    _backoff: tuple = field(default=(None, None), repr=False)   # (the communicator's back-off, ours from it)
 
     @property
     def size(self) -> int:
@@ -62,14 +65,26 @@ class TileGroup:
         """(i, j): this tile's row and column in the grid."""
         return divmod(self.index, self.grid[1])
 
-    def line(self, dim: int) -> tuple[list[int], int]:
+    def line(self, dim: int) -> tuple[tuple[int, ...], int]:
         """The world ranks sharing this tile's columns (dim 2: the grid column) or rows (dim 3: the
         grid row), in order along ``dim``, and this rank's place among them."""
+        return self.memo(("line", dim), self._line, dim)
+
+    def _line(self, dim: int) -> tuple[tuple[int, ...], int]:
         i, j = self.cell
         rows, cols = self.grid
         if dim == 2:
-            return [self.ranks[r * cols + j] for r in range(rows)], i
-        return [self.ranks[i * cols + c] for c in range(cols)], j
+            return tuple(self.ranks[r * cols + j] for r in range(rows)), i
+        return tuple(self.ranks[i * cols + c] for c in range(cols)), j
+
+    def memo(self, key, make, *args):
+        """``make(*args)``, computed once per ``key`` for this group: what a layer's fixed geometry
+        (its sizes, kernel, stride, padding) decides is the same at every call, and working it out
+        again each step costs a tile's layers tens of microseconds each, a step's fixed overhead."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = make(*args)
+        return found
 
     def own(self, size: int, dim: int) -> Range:
         """This tile's range of an axis of global length ``size``."""
@@ -104,8 +119,14 @@ class TileGroup:
 
     @property
     def backoff(self):
-        return dataclasses.replace(self.comm.backoff, spin=SPIN_SECONDS,
-                                   longest=min(self.comm.backoff.longest, LONGEST_SLEEP))
+        """The communicator's back-off with the group's spin and longest sleep (made again only
+        when the communicator or its back-off is another)."""
+        source, made = self._backoff
+        if source is not self.comm.backoff:
+            source = self.comm.backoff
+            made = dataclasses.replace(source, spin=SPIN_SECONDS, longest=min(source.longest, LONGEST_SLEEP))
+            self._backoff = (source, made)
+        return made
 
 
 class _AllReduce(torch.autograd.Function):
