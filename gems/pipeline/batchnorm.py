@@ -26,7 +26,7 @@ what it does instead:
     (mean, unbiased variance, the layer's momentum, or the cumulative average when momentum
     is None; ``num_batches_tracked`` += 1). One rule for every stage, the middle one under
     ``mast`` with odd K included, and the result does not depend on K, m or D. Tiled layers
-    (a spatial part, ``gems.spatial.ops.batch_norm``) normalise with their whole images'
+    (a spatial part, ``gems.spatial.norm.batch_norm``) normalise with their whole images'
     statistics, which the group's first tile adds to the sums (each tile holds the same): the
     sums of a tiled stage's tiled units are added over every tile of every copy, those of the
     leader's untiled units over the leaders (``gems.pipeline.gradsync``'s parts).
@@ -88,7 +88,7 @@ class BatchNorms:
         self._views = list(torch.split(self.sums, sizes)) if sizes else []
         self._counts_at = torch.tensor(sizes, dtype=torch.long, device=device).cumsum(0) - 1
         for layer, view in zip(self._deferred, self._views):
-            # a tiled layer (gems.spatial.ops.batch_norm) adds its whole images' statistics through this
+            # a tiled layer (gems.spatial.norm.batch_norm) adds its whole images' statistics through this
             setattr(layer, RECOMPUTING, False)   # raised while a segment holding it is recomputed
             layer.deferred_sums = functools.partial(_add, layer, view)
             layer.forward = functools.partial(_deferred_forward, layer, layer.deferred_sums)

@@ -4,7 +4,7 @@ A value of the spatial part is *tiled* (each rank holds its tile of an (N, C, H,
 when it depends on the image, and *replicated* (every rank holds the same whole value) when it
 does not -- a parameter, a constant -- or when it comes out of a global pooling, which sums the
 tiles over the group. Operations on replicated values alone run as they are. An operation on a
-tiled value runs through its handler in ``gems.spatial.ops`` when it has one (convolutions,
+tiled value runs through its handler in ``gems.spatial.ops`` (``gems.spatial.norm``) when it has one (convolutions,
 transposed ones, pooling, interpolation, padding and cropping, BatchNorm and GroupNorm, global
 average pooling), tile-locally when it acts per pixel (activations, residual adds, channel
 concatenation, products with a replicated (N, C, 1, 1) scale), and not at all otherwise: a
@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gems.errors import GemsError
 from gems.graph.trace import TRACING
-from gems.spatial import ops
+from gems.spatial import norm, ops
 
 POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh,
                      nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.PReLU, nn.Identity, nn.Dropout)
@@ -280,11 +280,11 @@ def _upsample(m: nn.Upsample):
 
 
 def _bn(m: nn.BatchNorm2d):
-    return _module(lambda x, t, i, o, m: ops.batch_norm(x, t, i, m)), True
+    return _module(lambda x, t, i, o, m: norm.batch_norm(x, t, i, m)), True
 
 
 def _gn(m: nn.GroupNorm):
-    return _module(lambda x, t, i, o, m: ops.group_norm(x, t, i, m.num_groups, m.weight, m.bias, m.eps)), True
+    return _module(lambda x, t, i, o, m: norm.group_norm(x, t, i, m.num_groups, m.weight, m.bias, m.eps)), True
 
 
 def _as_is(m: nn.Module):
@@ -325,7 +325,7 @@ def _function_adaptive(n: fx.Node):
 
 
 def _function_gn(n: fx.Node):
-    return (lambda tiles, node, args, kwargs, module=None: ops.group_norm(args[0], tiles, node.size_in, *args[1:], **kwargs)), True
+    return (lambda tiles, node, args, kwargs, module=None: norm.group_norm(args[0], tiles, node.size_in, *args[1:], **kwargs)), True
 
 
 def _getitem(n: fx.Node):
