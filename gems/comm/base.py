@@ -273,6 +273,12 @@ class Comm:
         """Start a barrier over the world."""
         raise NotImplementedError
 
+    def bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A zeroed 1-D tensor for a buffer that groups sum again and again (a gradient bucket),
+        where this backend's ``iallreduce`` sums it fastest; here a plain one. COLLECTIVE: every
+        rank asks for its buckets at the same points, in one order."""
+        return torch.zeros(numel, dtype=dtype, device=device)
+
     # -- shared behaviour --------------------------------------------------------------------
     def wait(self, req: Request, what: str, backoff: Backoff | None = None) -> None:
         """Return when ``req`` completes (sleeping as ``backoff`` says, default the communicator's);

@@ -39,6 +39,7 @@ from gems.comm.base import (MAX_MESSAGE_BYTES, Backoff, Comm, Group, Request, by
                             max_message_bytes, message_tag)
 from gems.comm.placement import placement
 from gems.comm.ring import Ring, Scratch, even_bounds
+from gems.comm.shared import NodeBuffers
 from gems.comm.staging import StagingPool, Wire, as_bytes, as_typed, copy_on, cuda_aware, large_count, mpi_can_sum
 from gems.errors import GemsError
 
@@ -80,6 +81,7 @@ class MPIComm(Comm):
         self._side: dict[torch.device, Any] = {}
         self._ring_ops: dict[int, int] = {}   # id(group) -> rings started on it: their tags
         self._scratch = Scratch()
+        self._node = NodeBuffers(self._comm)
 
     # -- staging ---------------------------------------------------------------------------------
     def _wire(self, t: Tensor, load: bool, store: bool, reduce: bool = False) -> Wire:
@@ -231,7 +233,20 @@ class MPIComm(Comm):
         members.Free()
         return Group(ranks, ranks.index(self.rank), handle)
 
+    def bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """On the host, in memory the ranks of the node share (gems.comm.shared): a group within the
+        node sums it where it lies."""
+        if device.type != "cpu":
+            return super().bucket(numel, dtype, device)
+        return self._node.zeros(numel, dtype)
+
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
+        ranks, me = (group.ranks, group.rank) if group is not None else (list(range(self.size)), self.rank)
+        if len(ranks) > 1 and mpi_can_sum(tensor.dtype):
+            summed = self._node.allreduce(tensor, ranks, me, self._mpi(group))
+            if summed is not None:
+                return self._post([], summed.start, f"allreduce over {self._members(group)} in node memory",
+                                  advance=summed.poll)
         wire = self._wire(tensor, load=True, store=True, reduce=True)
         if wire.ready is None and self._rings(wire.data, group):
             return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,

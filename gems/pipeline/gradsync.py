@@ -109,7 +109,7 @@ class GradSync:
         # (``gems.pipeline.gradbucket``): its parameters on the host too (placed), or only its optimizer (lazy)
         placed = {k for k in params if k[0] in self._weights_on_host}
         lazy = {k for k in params if k[0] in self._on_host and k not in placed}
-        self.layout = GradBucket(params, stats, placed, lazy, dtype, device, lambda: self.host.views)
+        self.layout = GradBucket(params, stats, placed, lazy, dtype, device, lambda: self.host.views, comm.bucket)
         self.bucket = self.layout.flat
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)

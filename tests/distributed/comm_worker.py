@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import time
+import zlib
 
 import torch
 
@@ -109,6 +110,44 @@ def check_allreduce(comm: gems.comm.Comm) -> None:
             raise AssertionError(f"allgather_object over {ranks}: {got}")
 
 
+def check_buckets(comm: gems.comm.Comm) -> None:
+    """Buckets (``Comm.bucket``): zeros; a slice of one summed over the world and over a pair, below
+    and above the ring's size, exact and with the same bits on every member; the rest untouched. On
+    the MPI backend the sums run in the node's shared memory, and a bucket no tensor uses any more
+    gives its memory to the next."""
+    cpu, n = torch.device("cpu"), comm.size
+    pair = [n - 1, 0]
+    g_pair = comm.group(pair)
+    for numel in (5, 300_000):
+        flat = comm.bucket(numel + 7, torch.float32, cpu)
+        if flat.shape != (numel + 7,) or bool(flat.any()):
+            raise AssertionError(f"bucket of {numel + 7}: {flat.shape}, any {bool(flat.any())}")
+        for ranks, group in ((list(range(n)), None), (pair, g_pair)):
+            if comm.rank not in ranks:
+                continue
+            whole = torch.arange(numel, dtype=torch.float32)   # integers: every order of the sum is exact
+            flat[7:] = whole * (comm.rank + 1)
+            flat[:7] = -1.0
+            req = comm.iallreduce(flat[7:], group)
+            comm.wait(req, f"a bucket's sum over {ranks}")
+            same((flat[7:], flat[:7]), (whole * sum(r + 1 for r in ranks), torch.full((7,), -1.0)),
+                 f"bucket of {numel} over {ranks}")
+            if comm.backend == "mpi" and "in node memory" not in req.describe:
+                raise AssertionError(f"a bucket's sum over {ranks} went {req.describe!r}")
+            torch.manual_seed(comm.rank)
+            flat[7:] = torch.randn(numel)   # not exact: the same bits on every member all the same
+            comm.allreduce(flat[7:], group, "a bucket's sum of random values")
+            bits = comm.allgather_object(zlib.crc32(flat[7:].numpy().tobytes()), group)
+            if len(set(bits)) != 1:
+                raise AssertionError(f"a bucket's sum over {ranks} differs between members")
+        where = flat.data_ptr()
+        del flat
+        again = comm.bucket(numel, torch.float32, cpu)
+        if comm.backend == "mpi" and again.data_ptr() != where:
+            raise AssertionError("a bucket no tensor uses did not give its memory to the next")
+        del again
+
+
 def check_broadcast_and_objects(comm: gems.comm.Comm) -> None:
     root = comm.size - 1
     t = torch.arange(12.0).reshape(3, 4) if comm.rank == root else torch.zeros(3, 4)
@@ -169,6 +208,7 @@ def check_limits(comm: gems.comm.Comm) -> None:
 def features(comm: gems.comm.Comm) -> None:
     check_ring(comm)
     check_allreduce(comm)
+    check_buckets(comm)
     check_broadcast_and_objects(comm)
     check_timeout(comm)
     check_limits(comm)
