@@ -29,12 +29,11 @@ class GradBucket:
 
     def __init__(self, params: dict[Key, list[nn.Parameter]], stats: dict[Key, list[torch.Tensor]],
                  placed: set[Key], lazy: set[Key], dtype: torch.dtype, device: torch.device, host_views,
-                 zeros=None) -> None:
+                 zeros) -> None:
         self.params, self.placed, self.lazy = params, placed, lazy
         sizes = {k: (sum(p.numel() for p in params[k]), sum(b.numel() for b in stats[k])) for k in params}
         numel = sum(n + g * self.holds(k) for k, (g, n) in sizes.items())
-        # ``zeros(numel, dtype, device)``: where the flat bucket lives (``Comm.bucket``: where the sync sums it fastest)
-        self.flat = (zeros or _zeros)(numel, dtype, device)
+        self.flat = zeros(numel, dtype, device)
         # per part: (its segment, its gradients, its statistics' copy, the statistics buffers)
         # The buffers keep storage of their own: autograd saves BatchNorm's running statistics
         # for backward, and a view of the bucket would share its version counter with the
@@ -92,7 +91,3 @@ class GradBucket:
             view.copy_(p)
             p.data = view
         return flat
-
-
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=device)
