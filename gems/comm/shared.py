@@ -35,6 +35,7 @@ from gems.comm.ring import even_bounds
 
 SHM = "/dev/shm"
 ROOM = 0.5   # the most of the free shared memory a node's new window may take
+PAGE = 4096
 
 
 class _Window:
@@ -94,7 +95,7 @@ class NodeBuffers:
         if common:
             window = self._windows[min(common)]
         elif sum(n for _, n, _ in told) <= ROOM * min(room for _, _, room in told):
-            window = _Window(self._node, nbytes)
+            window = _Window(self._node, -(-nbytes // PAGE) * PAGE)   # segments apart by whole pages: no line shared
             self._windows.append(window)
         else:
             return torch.zeros(numel, dtype=dtype)
