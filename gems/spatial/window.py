@@ -57,6 +57,7 @@ class Conv:
     dilation: tuple[int, int]
     groups: int
     kept = 0            # tensors of its own it keeps for backward
+    reads_region = True   # its backward reads the region's values (``MaxPool``'s only its shape)
 
     def forward(self, region, weight, bias):
         return F.conv2d(region, weight, bias, self.stride, self.padding, self.dilation, self.groups), ()
@@ -81,6 +82,7 @@ class MaxPool:
     padding: tuple[int, int]
     dilation: tuple[int, int]
     kept = 1
+    reads_region = False   # the gradient goes where the indices point: the region's shape is all it needs
 
     def forward(self, region, weight, bias):
         per = nhwc_block(region, self.kernel)
@@ -180,9 +182,10 @@ class _Window(torch.autograd.Function):
             if alone is not None:
                 return *_border_backward(grad, x, weight, received, tiles, halos[0], op, alone, needs, layer), \
                     None, None, None
-        levels = [x]          # the tile, then each halo's region
+        levels = [x]          # the tile, then each halo's region (its shape alone where that is all op reads)
         for h, n in zip(halos, counts):
-            levels.append(halo.assemble(levels[-1], tiles, h, received[:n]))
+            levels.append(halo.assemble(levels[-1], tiles, h, received[:n]) if op.reads_region
+                          else _region_like(levels[-1], tiles, h))
             received = received[n:]
         if not needs[0]:
             return *op.backward(grad, levels[-1], weight, kept, needs), None, None, None
@@ -246,6 +249,16 @@ def _border_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     for _, b, give in recvs:
         halo.narrow_rows(gx, h.dim, give, own[0]).add_(b)
     return gx, gw, gb
+
+
+def _region_like(x: torch.Tensor, tiles: TileGroup, h: Halo) -> torch.Tensor:
+    """An uninitialised tensor of the shape and format of ``halo.assemble``'s region of ``x`` for
+    ``h``: what a max pooling's backward takes (it copies no rows, ~1.5 ms a step for resnet18's
+    stem pooling at 512^2 on two CPU ranks)."""
+    need = h.needs[tiles.line(h.dim)[1]]
+    shape = list(x.shape)
+    shape[h.dim] = need[1] - need[0]
+    return formats.empty_as(x, shape)
 
 
 def _alone(op, halos: tuple[Halo, ...], tiles: TileGroup):
