@@ -24,10 +24,10 @@ interior, the window waits for its halo and runs on the joined region.
 
 A convolution's backward does the same the other way where that costs less (``border_first``,
 ``_border_backward``): the border's gradient first, its halo rows sent back at once, then the
-tile's own gradients from the tile alone. Otherwise -- and for max pooling, whose indices point
-into the region -- it runs on the joined region rebuilt from the tile and the rows received: the
-input's gradient first, its halo rows sent back at once, then the weight's gradient while they
-travel.
+tile's own gradients from the tile alone. Otherwise it runs on the joined region rebuilt from the
+tile and the rows received: the input's gradient first, its halo rows sent back at once, then the
+weight's gradient while they travel. A max pooling's backward sends each gradient where its indices
+(into the region) point and reads the region's shape alone: it gets an empty tensor of that shape.
 
 On a 2-D grid the rows travel first; the columns are joined after (the corners come through the
 row neighbour: ``gems.spatial.halo``). Whichever way each tile computes, its messages are the
@@ -253,8 +253,8 @@ def _border_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 def _region_like(x: torch.Tensor, tiles: TileGroup, h: Halo) -> torch.Tensor:
     """An uninitialised tensor of the shape and format of ``halo.assemble``'s region of ``x`` for
-    ``h``: what a max pooling's backward takes (it copies no rows, ~1.5 ms a step for resnet18's
-    stem pooling at 512^2 on two CPU ranks)."""
+    ``h``: what a max pooling's backward takes (no rows copied: ~2 ms a step for resnet18's stem
+    pooling at 512^2 on two CPU ranks)."""
     need = h.needs[tiles.line(h.dim)[1]]
     shape = list(x.shape)
     shape[h.dim] = need[1] - need[0]
