@@ -241,7 +241,7 @@ class MPIComm(Comm):
         return self._node.zeros(numel, dtype)
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
-        ranks, me = (group.ranks, group.rank) if group is not None else (list(range(self.size)), self.rank)
+        ranks, me = (group.ranks, group.rank) if group is not None else (range(self.size), self.rank)
         if len(ranks) > 1 and mpi_can_sum(tensor.dtype):
             summed = self._node.allreduce(tensor, ranks, me, self._mpi(group))
             if summed is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -46,18 +46,18 @@ class _Window:
         self.win = MPI.Win.Allocate_shared(capacity, 1, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: loads and stores
         self.capacity = capacity
-        self.base = self._segment(node.Get_rank()).data_ptr()
+        self.base = self._segment(node.Get_rank()).ctypes.data
         self.held: weakref.ref | None = None
         self._peers: dict[int, Tensor] = {}
 
-    def _segment(self, node_rank: int) -> Tensor:
-        """Node rank ``node_rank``'s segment as bytes."""
+    def _segment(self, node_rank: int, count: int = -1) -> np.ndarray:
+        """The first ``count`` bytes (-1: all) of node rank ``node_rank``'s segment."""
         mem, _ = self.win.Shared_query(node_rank)
-        return torch.from_numpy(np.frombuffer(mem, dtype=np.uint8))
+        return np.frombuffer(mem, dtype=np.uint8, count=count)
 
     def peer(self, node_rank: int) -> Tensor:
         if node_rank not in self._peers:
-            self._peers[node_rank] = self._segment(node_rank)
+            self._peers[node_rank] = torch.from_numpy(self._segment(node_rank))
         return self._peers[node_rank]
 
     def free(self) -> bool:
@@ -67,8 +67,7 @@ class _Window:
         """Zeros of ``numel`` x ``dtype`` at the start of this rank's segment. The tensor keeps the
         array it is made from alive, so the weak reference to that array says whether any tensor
         (a view of it included) still uses the memory."""
-        mem, _ = self.win.Shared_query(node_rank)
-        array = np.frombuffer(mem, dtype=np.uint8, count=numel * dtype.itemsize)
+        array = self._segment(node_rank, numel * dtype.itemsize)
         self.held = weakref.ref(array)
         return torch.from_numpy(array).view(dtype).zero_()
 
@@ -101,18 +100,19 @@ class NodeBuffers:
             return torch.zeros(numel, dtype=dtype)
         return window.hand_out(numel, dtype, self._node.Get_rank())
 
-    def allreduce(self, tensor: Tensor, ranks: list[int], me: int, handle: Any) -> _NodeSum | None:
+    def allreduce(self, tensor: Tensor, ranks: Sequence[int], me: int, handle: Any) -> _NodeSum | None:
         """The sum of ``tensor`` over the group of world ``ranks`` (this rank ``me`` among them, over
         the communicator ``handle``) as a ``_NodeSum``, where ``tensor`` lies in a window and every
         member is on this node; None otherwise (every member answers alike: a window's buffer is
         asked for by all ranks of the node, and membership is the node's)."""
-        if tensor.is_cuda or not tensor.is_contiguous() or any(r not in self._of for r in ranks):
+        if tensor.is_cuda or not tensor.is_contiguous():
             return None
         start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for window in self._windows:
+        for index, window in enumerate(self._windows):
             if window.base <= start and start + size <= window.base + window.capacity:
-                return _NodeSum(window, self._windows.index(window), tensor, start - window.base,
-                                [self._of[r] for r in ranks], me, handle)
+                if any(r not in self._of for r in ranks):
+                    return None
+                return _NodeSum(window, index, tensor, start - window.base, [self._of[r] for r in ranks], me, handle)
         return None
 
 

@@ -81,10 +81,9 @@ class TileGroup:
         """``make(*args)``, computed once per ``key`` for this group: what a layer's fixed geometry
         (its sizes, kernel, stride, padding) decides is the same at every call, and working it out
         again each step costs a tile's layers tens of microseconds each, a step's fixed overhead."""
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = make(*args)
-        return found
+        if key not in self._memo:
+            self._memo[key] = make(*args)
+        return self._memo[key]
 
     def own(self, size: int, dim: int) -> Range:
         """This tile's range of an axis of global length ``size``."""

@@ -266,20 +266,19 @@ def _alone(op, halos: tuple[Halo, ...], tiles: TileGroup):
     tile's every output row from its own rows alone (``Sliding.alone``) and leaves it an interior
     (rows reading no halo); None otherwise (then the tile computes on the joined region only).
     Worked out once per layer geometry (``TileGroup.memo``)."""
-    return tiles.memo(("alone", op, halos), _alone_op, op, halos, tiles) or None
+    return tiles.memo(("alone", op, halos), _alone_op, op, halos, tiles)
 
 
 def _alone_op(op, halos: tuple[Halo, ...], tiles: TileGroup):
-    """``_alone``, False for None (so the memo keeps it)."""
     padding = list(op.padding)
     for h in halos:
         members, me = tiles.line(h.dim)
         own = parts(h.size, len(members))[me]
         if h.window is None or not h.window.alone(h.outs[me], own):
-            return False
+            return None
         inner = h.window.inner(h.outs[me], own, h.size)
         if inner[0] >= inner[1]:
-            return False
+            return None
         padding[h.dim - 2] = h.window.pad
     return dataclasses.replace(op, padding=tuple(padding))
 
@@ -358,10 +357,15 @@ def _border(y: torch.Tensor, kept: tuple, x: torch.Tensor, region: torch.Tensor 
     return kept
 
 
+def _needed(halos: tuple[Halo, ...], tiles: TileGroup) -> tuple[Halo, ...]:
+    return tuple(h for h in halos if not h.trivial(tiles))
+
+
 def window(x: torch.Tensor, tiles: TileGroup, halos: tuple[Halo, ...], op, weight=None, bias=None) -> torch.Tensor:
     """``op`` (``Conv``, ``MaxPool``) on ``x`` joined with its ``halos`` (module docstring);
     halos every member needs nothing for are skipped."""
-    halos = tiles.memo(("needed", tuple(halos)), lambda: tuple(h for h in halos if not h.trivial(tiles)))
+    halos = tuple(halos)
+    halos = tiles.memo(("needed", halos), _needed, halos, tiles)
     if not halos:
         return op.forward(x, weight, bias)[0]
     return _Window.apply(x, weight, bias, tiles, halos, op)
