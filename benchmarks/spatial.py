@@ -37,11 +37,17 @@ still real; ``--instant all`` makes the gradient allreduce (and the loss's) inst
 is the tiles' compute alone -- halo rows, region assembly, two-pass normalisation, the bucket's
 copies -- the floor of exact tiles on these cores. Either is a measurement, not training: the
 losses are not the model's.
+
+``--lockstep`` times, in the same rounds, a third step: the ceiling in lockstep -- the same plain
+PyTorch on each rank's tile, every BatchNorm and GroupNorm layer a barrier of the ranks in forward
+and again in backward (an empty sum, waited for as the tiles wait for theirs) -- what the whole images'
+statistics impose at the least, every layer waiting for the slower rank, with nothing to send.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -60,12 +66,32 @@ from gems.obs import trace
 from gems.spatial import TiledUnit
 from gems.spatial.geometry import parts
 from gems.spatial.limit import spatial_limit
+from gems.spatial.tiles import LONGEST_SLEEP, SPIN_SECONDS
 from gems.train.optim import sgd
 
 PROFILED_ROUNDS = 3   # --ops: rounds profiled after the timed ones
 LR = 0.01   # every run's SGD (gems-bench's: momentum 0.9, fused where torch can)
 WAITS = sorted(set(trace.TILE_KINDS.values()))
 CATEGORIES = ["compute", *WAITS, "gradient allreduce", "optimizer", "rest"]
+
+
+def in_lockstep(net: nn.Module, comm) -> nn.Module:
+    """``net`` with every BatchNorm and GroupNorm layer a barrier of ``comm``'s ranks in forward and in backward
+    (``--lockstep``), waited for with the tile group's back-off."""
+    empty = torch.zeros(1)
+    backoff = dataclasses.replace(comm.backoff, spin=SPIN_SECONDS, longest=min(comm.backoff.longest, LONGEST_SLEEP))
+
+    def barrier(*_) -> None:
+        comm.wait(comm.iallreduce(empty, None), "the lockstep barrier", backoff)
+
+    def hook(module, inputs, output) -> None:
+        barrier()
+        if output.requires_grad:
+            output.register_hook(barrier)
+    for module in net.modules():
+        if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)):
+            module.register_forward_hook(hook)
+    return net
 
 
 def _steps(step, args, comm, after=None) -> float:
@@ -208,6 +234,8 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=0,
                    help="profile rank 0 and print the N operations whose time differs most between spatial's step "
                         "and the ceiling's")
+    p.add_argument("--lockstep", action="store_true",
+                   help="also time the ceiling with every normalisation layer a barrier of the ranks (module docstring)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the spatial run's tiles share the optimizer step (reduce-scatter, a share of the update each)")
     args = p.parse_args()
@@ -248,6 +276,8 @@ def run(args, comm) -> None:
     # the ceiling's targets: a per-pixel target is cut with its image, a label stays whole
     tile_y = y[:, r0 * out[1] // S:r1 * out[1] // S, c0 * out[2] // S:c1 * out[2] // S] if len(out) == 3 else y
     ceiling = plain(copy.deepcopy(model), x[:, :, r0:r1, c0:c1].clone(), tile_y)
+    lockstep = [plain(in_lockstep(copy.deepcopy(model), comm), x[:, :, r0:r1, c0:c1].clone(), tile_y)] \
+        if args.lockstep else []
 
     plan.spatial_grid = [rows, cols]
     plan.spatial_end = _end(model, plan, (rows, cols), args.end)
@@ -260,23 +290,25 @@ def run(args, comm) -> None:
             unit.tiles.comm = instant   # the tile group its layers talk through
         if args.instant == "all":
             engine.grads.comm = instant
-    timelines, walls, started = [], [], [0.0]
+    timelines, walls, wall = [], [], [0.0]
 
     def spatial() -> None:
-        started[0] = time.perf_counter()
+        start = time.perf_counter()
         engine.step(x, y)
+        wall[0] = time.perf_counter() - start
 
     def keep(_: int) -> None:
-        walls.append(time.perf_counter() - started[0])
+        walls.append(wall[0])
         timelines.append(list(engine.timeline()))
-    # one ceiling step, one spatial step, in turn: the ratio is of steps run side by side
-    ceilings, spatials = _times([ceiling, spatial], args, comm, keep, spin=True)
+    # one ceiling step, one spatial step (and one in lockstep), in turn: the ratio is of steps run side by side
+    ceilings, spatials, *locked = _times([ceiling, spatial, *lockstep], args, comm, keep, spin=True)
     # a round's step of either is its slowest rank's: the tiles are all done when the last one is (the
     # cores of one machine differ by several percent, and spatial's step ends together on every rank)
     every = comm.allgather_object(ceilings)
     own = [statistics.median(c) for c in every]   # each rank's own ceiling
     ceilings = [max(c) for c in zip(*every)]
     spatials = [max(s) for s in zip(*comm.allgather_object(spatials))]
+    locked = [max(t) for t in zip(*comm.allgather_object(locked[0]))] if locked else None
     t_ceiling, t_spatial = statistics.median(ceilings), statistics.median(spatials)
     ratios = sorted(c / s for c, s in zip(ceilings, spatials))
     mine = {c: statistics.median(categories(s, w).get(c, 0.0) for s, w in zip(timelines, walls)) for c in CATEGORIES}
@@ -296,7 +328,8 @@ def run(args, comm) -> None:
         mp = gems.Engine(copy.deepcopy(model), mp_plan, optimizer=lambda p: sgd(p, LR), loss_fn=loss_fn, comm=comm)
         t_mp = _steps(lambda: mp.step(x, y), args, comm)
     if comm.rank == 0:
-        report(args, plan, (rows, cols), t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank)
+        report(args, plan, (rows, cols), t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank,
+               None if locked is None else (locked, ceilings, spatials))
         if ops is not None:
             report_operations(args.ops, *ops)
 
@@ -309,7 +342,7 @@ def _grid(text: str) -> tuple[int, int]:
     return rows, cols
 
 
-def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank) -> None:
+def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per_rank, lockstep=None) -> None:
     S, P = args.image_size, grid[0] * grid[1]
     ms = lambda t: f"{t * 1e3:9.1f} ms"   # noqa: E731
     print(f"{args.model} {S}x{S}, batch {args.batch_size}, {P} ranks, median of {args.steps} steps "
@@ -322,6 +355,11 @@ def report(args, plan, grid, t_ceiling, own, t_spatial, ratios, t_one, t_mp, per
     print(f"  spatial {grid[0]}x{grid[1]}, units [0,{plan.spatial_end}) of {len(plan.unit_names)} tiled{sharded} "
           f"{ms(t_spatial)}   {statistics.median(ratios):5.3f} of the ceiling ({counted}; "
           f"{ratios[0]:.3f}-{ratios[-1]:.3f} over the pairs of steps)")
+    if lockstep is not None:   # (its rounds' steps, the ceiling's, spatial's)
+        locked, ceilings, spatials = lockstep
+        print(f"  ceiling in lockstep: every normalisation a barrier {ms(statistics.median(locked))}   "
+              f"{statistics.median(c / t for c, t in zip(ceilings, locked)):5.3f} of the ceiling; spatial "
+              f"{statistics.median(t / s for t, s in zip(locked, spatials)):5.3f} of it")
     if t_one is not None:
         print(f"  one rank, the whole image {ms(t_one)}   spatial {t_one / t_spatial:5.2f}x one rank, "
               f"the ceiling {t_one / t_ceiling:5.2f}x")

@@ -1,10 +1,11 @@
 """benchmarks/spatial.py on two loopback ranks (threads: its figures mean nothing here, only that it
-runs and reports): the ratio line, ``--ops`` rank 0's operations, and ``--instant`` keeping the tile
-group's messages off the communicator."""
+runs and reports): the ratio line, ``--ops`` rank 0's operations, ``--lockstep``'s line, and ``--instant``
+keeping the tile group's messages off the communicator."""
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 
 import pytest
 
@@ -27,13 +28,17 @@ def test_the_benchmark_reports_its_ratio_and_instant_keeps_the_tiles_off_the_wir
     bench = benchmark()
     args = argparse.Namespace(model="resnet18", image_size=64, batch_size=1, grid=None, end=None, steps=2, warmup=1,
                               layers=0, one_rank=False, mp=False, spin=False, instant=instant, shard_optimizer=False,
-                              ops=0 if instant else 4)
+                              ops=0 if instant else 4, lockstep=instant is None)
     received = loopback.run(2, lambda comm: bench.run(args, comm) or dict(comm.received), timeout=120)
     out = capsys.readouterr().out.splitlines()
     line = next(line for line in out if "of the ceiling" in line)
     tiles = [sum(n for tag, n in r.items() if tag >= TILE_TAG) for r in received]
     if instant is None:
         assert "(gradient allreduce counted;" in line and all(n > 0 for n in tiles), (line, tiles)
+        # --lockstep: its step and both ratios, on the line after spatial's
+        locked = out[out.index(line) + 1]
+        assert locked.startswith("  ceiling in lockstep: every normalisation a barrier") and \
+            re.search(r" ms +\d\.\d{3} of the ceiling; spatial \d\.\d{3} of it$", locked), locked
         # --ops: four operations, tiles' own among them (autograd Functions of gems.spatial: the ceiling has
         # none), then the totals
         at = next(i for i, text in enumerate(out) if "rank 0's operations" in text)
