@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import statistics
 import sys
 import time
@@ -66,7 +65,7 @@ from gems.obs import trace
 from gems.spatial import TiledUnit
 from gems.spatial.geometry import parts
 from gems.spatial.limit import spatial_limit
-from gems.spatial.tiles import LONGEST_SLEEP, SPIN_SECONDS
+from gems.spatial.tiles import tile_backoff
 from gems.train.optim import sgd
 
 PROFILED_ROUNDS = 3   # --ops: rounds profiled after the timed ones
@@ -76,10 +75,10 @@ CATEGORIES = ["compute", *WAITS, "gradient allreduce", "optimizer", "rest"]
 
 
 def in_lockstep(net: nn.Module, comm) -> nn.Module:
-    """``net`` with every BatchNorm and GroupNorm layer a barrier of ``comm``'s ranks in forward and in backward
-    (``--lockstep``), waited for with the tile group's back-off."""
+    """``net`` with every BatchNorm and GroupNorm layer a barrier of ``comm``'s ranks in forward and in
+    backward (``--lockstep``), waited for with the tile group's back-off."""
     empty = torch.zeros(1)
-    backoff = dataclasses.replace(comm.backoff, spin=SPIN_SECONDS, longest=min(comm.backoff.longest, LONGEST_SLEEP))
+    backoff = tile_backoff(comm.backoff)
 
     def barrier(*_) -> None:
         comm.wait(comm.iallreduce(empty, None), "the lockstep barrier", backoff)
@@ -235,7 +234,8 @@ def main() -> None:
                    help="profile rank 0 and print the N operations whose time differs most between spatial's step "
                         "and the ceiling's")
     p.add_argument("--lockstep", action="store_true",
-                   help="also time the ceiling with every normalisation layer a barrier of the ranks (module docstring)")
+                   help="also time the ceiling with every normalisation layer a barrier of the ranks "
+                        "(module docstring)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the spatial run's tiles share the optimizer step (reduce-scatter, a share of the update each)")
     args = p.parse_args()
@@ -301,14 +301,14 @@ def run(args, comm) -> None:
         walls.append(wall[0])
         timelines.append(list(engine.timeline()))
     # one ceiling step, one spatial step (and one in lockstep), in turn: the ratio is of steps run side by side
-    ceilings, spatials, *locked = _times([ceiling, spatial, *lockstep], args, comm, keep, spin=True)
+    ceilings, spatials, *lock_times = _times([ceiling, spatial, *lockstep], args, comm, keep, spin=True)
     # a round's step of either is its slowest rank's: the tiles are all done when the last one is (the
     # cores of one machine differ by several percent, and spatial's step ends together on every rank)
     every = comm.allgather_object(ceilings)
     own = [statistics.median(c) for c in every]   # each rank's own ceiling
     ceilings = [max(c) for c in zip(*every)]
     spatials = [max(s) for s in zip(*comm.allgather_object(spatials))]
-    locked = [max(t) for t in zip(*comm.allgather_object(locked[0]))] if locked else None
+    locked = [max(t) for t in zip(*comm.allgather_object(lock_times[0]))] if lock_times else None
     t_ceiling, t_spatial = statistics.median(ceilings), statistics.median(spatials)
     ratios = sorted(c / s for c, s in zip(ceilings, spatials))
     mine = {c: statistics.median(categories(s, w).get(c, 0.0) for s, w in zip(timelines, walls)) for c in CATEGORIES}

@@ -32,6 +32,12 @@ SPIN_SECONDS = 2e-3
 LONGEST_SLEEP = 2.5e-4
 
 
+def tile_backoff(source):
+    """The back-off of a tile group's waits from its communicator's ``source``: the group's spin and
+    longest sleep."""
+    return dataclasses.replace(source, spin=SPIN_SECONDS, longest=min(source.longest, LONGEST_SLEEP))
+
+
 @dataclass(eq=False)
 class TileGroup:
     """P = rows x cols ranks holding the tiles of one stage; ``ranks`` in world numbering, row-major
@@ -123,7 +129,7 @@ class TileGroup:
         source, made = self._backoff
         if source is not self.comm.backoff:
             source = self.comm.backoff
-            made = dataclasses.replace(source, spin=SPIN_SECONDS, longest=min(source.longest, LONGEST_SLEEP))
+            made = tile_backoff(source)
             self._backoff = (source, made)
         return made
 
