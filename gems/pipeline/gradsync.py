@@ -56,6 +56,7 @@ from gems.pipeline.hostweights import PLACEMENT as WEIGHTS
 from gems.pipeline.rollback import Rollback
 from gems.pipeline.shares import split_among
 from gems.schedule.topology import Topology
+from gems.spatial.tiles import tile_backoff
 
 
 class GradSync:
@@ -85,6 +86,9 @@ class GradSync:
         # the sync groups of this rank's parts, first seen first (a sharded optimizer's state is gathered
         # over each in this order, the same on every rank): one without tiles, none for a lone copy
         self.shard_groups = list({id(g): g for _, g, _ in self._parts.values() if g is not None}.values())
+        # the parts summed over a tile group (a tiled stage's first part): tiles keep pace with each other, so
+        # their sum's waits are short and poll first, as the tile group's own waits do (``tile_backoff``)
+        self._over_tiles = {(s, 0) for s in topology.tiled_stages if (s, 0) in self._parts}
         self._make_identical()
         # BatchNorm layers by the group their part syncs over (first seen first: the same order on every
         # rank); a tiled part's deferred sums are added over every tile, the rest over the leaders
@@ -310,7 +314,8 @@ class GradSync:
                 raise RuntimeError(f"reduces of {[k for k, _ in reduces]} for {synced}")
             reduces = [(k, self._issue(k) if req is None else req) for k, req in reduces]
             for key, req in reduces:
-                self.comm.wait(req, f"the gradient allreduce of stage {key[0]}")
+                self.comm.wait(req, f"the gradient allreduce of stage {key[0]}",
+                               tile_backoff(self.comm.backoff) if key in self._over_tiles else None)
                 _, _, copy, buffers = self._summed(key)
                 if buffers:
                     copy /= self._parts[key][1].size

@@ -1,18 +1,17 @@
 """Normalisation on tiles: BatchNorm2d and GroupNorm with the statistics of the whole images.
 
 Each tile sums its Σx and Σx² per channel (or per sample and group), the sums are added over the
-tile group (``gems.spatial.tiles.allreduce``, float64), and PyTorch's own fused kernels normalise
+tile group (``TileGroup.sum_``, float64), and PyTorch's own fused kernels normalise
 with them; backward takes each tile's Σdy and Σdy·x̂ the same way. Only what PyTorch's formula
 needs evaluated with statistics of several tiles is written here (``_input_grad``).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gems.plan import formats
-from gems.spatial.tiles import TileGroup, allreduce
+from gems.spatial.tiles import TileGroup
 
 
 def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
@@ -24,19 +23,20 @@ def batch_norm(x, tiles, size, module: nn.BatchNorm2d):
     if not (module.training or module.running_mean is None):
         return module(x)
     deferred = getattr(module, "deferred_sums", None)
+    tracked = module.training and module.track_running_stats
     factor = 0.0
-    if module.training and module.track_running_stats and deferred is None:
+    if tracked and deferred is None:
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     n = x.shape[0] * size[0] * size[1]
     y, mean, var = _BatchNorm.apply(x, module.weight, module.bias, tiles, n, module.eps)
+    unbiased = n / max(n - 1, 1)
     if deferred is not None:
         if tiles.index == 0:
-            deferred(mean, var * (n / max(n - 1, 1)), n)
-    elif module.training and module.track_running_stats:
-        with torch.no_grad():
-            module.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-            module.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
+            deferred(mean, var * unbiased, n)
+    elif tracked:   # (mean and var take no gradient: these record nothing)
+        module.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        module.running_var.mul_(1 - factor).add_(var, alpha=factor * unbiased)
     return y
 
 
@@ -54,7 +54,7 @@ class _BatchNorm(torch.autograd.Function):
         ctx.tiles, ctx.n, ctx.eps, ctx.layer = tiles, n, eps, tiles.layer
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)   # no zero gradients made for the statistics, which take none
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps), mean, var
+        return _normalise(x, mean, var, weight, bias, eps), mean, var
 
     @staticmethod
     def backward(ctx, grad, _mean, _var):
@@ -66,11 +66,23 @@ class _BatchNorm(torch.autograd.Function):
             None, None, None
 
 
+# Each layer of a tile runs the functions below once per step, forward and backward, on vectors of
+# a few hundred values at most: what they cost is the operations' count (a few microseconds each on
+# CPU, a launch each on a GPU), so each takes the fewest -- in place where nothing else holds the
+# tensor, views by ``unbind`` -- not the clearest formula.
+
+def _normalise(x, mean, var, weight, bias, eps: float) -> torch.Tensor:
+    """PyTorch's fused eval-mode normalisation of ``x`` with the statistics given."""
+    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+
+
 def _tile_stats(x: torch.Tensor, tiles: TileGroup, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and biased variance per channel (dim 1) of ``x`` over every tile (``n`` elements in all):
     each tile's Σx and Σx² (``_tile_sums``), added over the tiles in float64."""
-    sums = allreduce(_tile_sums(x), tiles, f"stats {tiles.layer}") / n
-    return sums[0].to(x.dtype), (sums[1] - sums[0].square()).clamp_min(0).to(x.dtype)
+    sums = tiles.sum_(_tile_sums(x), "a tile group's statistics", f"stats {tiles.layer}").div_(n)
+    mean, square = sums.unbind()
+    square.addcmul_(mean, mean, value=-1).clamp_min_(0)   # E[x²] - E[x]², the biased variance
+    return sums.to(x.dtype).unbind()
 
 
 # Σx² - (Σx)²/count in float32 loses as many digits as Σx²/count exceeds the variance: taken only
@@ -89,11 +101,13 @@ def _tile_sums(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1 and x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32,
                                                                                          torch.float64):
         rows = x.view(x.shape[1], -1)
-        sums = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, 2, 1).square()])
-        if bool((sums[0].square() * SPREAD <= sums[1] * count * (SPREAD - 1)).all()):
-            return sums.double()
+        total, square = rows.sum(1), torch.linalg.vector_norm(rows, 2, 1).square_()
+        # every channel's (Σx)² x SPREAD <= Σx² x count x (SPREAD - 1); false for NaN too
+        if float(torch.addcmul(square, total, total, value=-SPREAD / ((SPREAD - 1) * count)).min()) >= 0:
+            return torch.stack([total, square]).double()
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-    return torch.stack([mean.double() * count, (var.double() + mean.double().square()) * count])
+    mean = mean.double()
+    return torch.stack([mean * count, var.double().addcmul_(mean, mean).mul_(count)])
 
 
 def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
@@ -101,34 +115,35 @@ def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
     """(dx, Σ dy·x̂, Σ dy) of a normalisation per channel (dim 1) with statistics over every tile:
     PyTorch's eval-mode backward gives this tile's sums (``_sums``), added over the tiles they
     make dx (``_input_grad``)."""
-    ones = torch.ones_like(mean) if weight is None else weight
-    invstd = torch.rsqrt(var + eps)
+    grad, invstd = formats.dense(grad), torch.rsqrt(var + eps)
     dw, db = _sums(grad, x, mean, var, invstd, eps)
-    total = allreduce(torch.stack([db, dw]), tiles, f"stats-grad {layer}") / n   # mean(dy), mean(dy·x̂) per channel
-    return _input_grad(grad, x, mean, invstd, ones, ones * total[0], ones * total[1]), dw, db
+    means = tiles.sum_(torch.stack([db, dw]), "a tile group's statistics' gradient", f"stats-grad {layer}").div_(n)
+    scale = invstd if weight is None else invstd * weight
+    return _input_grad(grad, x, mean, invstd, scale, scale, *means.unbind()), dw, db
 
 
 def _sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor,
           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ dy·x̂, Σ dy) per channel (dim 1) of this tile, in one fused pass: PyTorch's eval-mode
-    BatchNorm backward. The statistics go in as both the running and the saved ones: the CPU
-    kernel's eval mode reads the running pair, CUDA's reads the saved mean and inverse deviation
-    whenever it reduces (it asserts they are given)."""
-    _, dw, db = torch.ops.aten.native_batch_norm_backward(formats.dense(grad), x, torch.ones_like(mean), mean, var,
-                                                          mean, invstd, False, eps, [False, True, True])
+    BatchNorm backward (no weight: it scales only the input's gradient). The statistics go in as
+    both the running and the saved ones: the CPU kernel's eval mode reads the running pair, CUDA's
+    reads the saved mean and inverse deviation whenever it reduces (it asserts they are given)."""
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(grad, x, None, mean, var, mean, invstd, False, eps,
+                                                          [False, True, True])
     return dw, db
 
 
-def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
-                weight: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """dx = invstd·(weight·dy - m1 - x̂·m2) per channel (dim 1), ``m1``, ``m2`` the means of
-    weight·dy and weight·dy·x̂ over the channel's statistics' elements: a·dy + b·x + c, two fused
-    passes into one new tensor."""
-    a = invstd * weight
-    b = -invstd * invstd * m2               # coefficient of x
-    c = -invstd * m1 - b * mean             # the rest
+def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, a: torch.Tensor,
+                r: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
+    """dx = a·dy - r·(t0 + x̂·t1) per channel (dim 1), x̂ = (x - mean)·invstd: a normalisation's input
+    gradient, with ``a`` = invstd x the weight, ``t0`` and ``t1`` the means of dy and dy·x̂ over
+    the channel's statistics' elements, ``r`` = ``a`` (BatchNorm); or with ``t0``, ``t1`` those of
+    weight·dy, weight·dy·x̂, ``r`` = invstd (GroupNorm: several channels' statistics). As
+    a·dy - b·x + c: two fused passes into one new tensor."""
+    b = torch.mul(r, invstd).mul_(t1)          # coefficient of -x
+    c = torch.mul(b, mean).addcmul_(r, t0, value=-1)
     view = (1, -1) + (1,) * (x.dim() - 2)
-    return torch.addcmul(c.view(view), x, b.view(view)).addcmul_(grad, a.view(view))
+    return torch.addcmul(c.view(view), x, b.view(view), value=-1).addcmul_(grad, a.view(view))
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
@@ -155,8 +170,8 @@ class _GroupNorm(torch.autograd.Function):
         N, C = x.shape[:2]
         mean, var = _tile_stats(x.reshape(1, N * groups, -1), tiles, n)
         per = _per_channel(N, C, groups)
-        y = F.batch_norm(x.reshape(1, N * C, -1), per(mean), per(var), None if weight is None else weight.repeat(N),
-                         None if bias is None else bias.repeat(N), False, 0.0, eps)
+        y = _normalise(x.reshape(1, N * C, -1), per(mean), per(var), None if weight is None else weight.repeat(N),
+                       None if bias is None else bias.repeat(N), eps)
         y = y.reshape(x.shape).detach()   # not a view of the kernel's result: the next layer may change it in place
         ctx.save_for_backward(x, weight, mean, var)
         ctx.tiles, ctx.groups, ctx.n, ctx.eps, ctx.has_bias = tiles, groups, n, eps, bias is not None
@@ -169,12 +184,13 @@ class _GroupNorm(torch.autograd.Function):
         (N, C), G = x.shape[:2], ctx.groups
         per = _per_channel(N, C, G)
         x2, grad2 = x.reshape(1, N * C, -1), formats.dense(grad).reshape(1, N * C, -1)
-        invstd = torch.rsqrt(var + ctx.eps)
-        dw, db = _sums(grad2, x2, per(mean), per(var), per(invstd), ctx.eps)   # per (sample, channel)
+        invstd = per(torch.rsqrt(var + ctx.eps))   # per (sample, channel), as the rest here
+        dw, db = _sums(grad2, x2, per(mean), per(var), invstd, ctx.eps)
         w = torch.ones_like(dw) if weight is None else weight.repeat(N)
         sums = torch.stack([(w * db).view(N, G, -1).sum(2), (w * dw).view(N, G, -1).sum(2)]).view(2, N * G)
-        total = allreduce(sums, ctx.tiles, f"stats-grad {ctx.layer}") / ctx.n   # per (sample, group)
-        gx = _input_grad(grad2, x2, per(mean), per(invstd), w, per(total[0]), per(total[1])).reshape(x.shape)
+        means = ctx.tiles.sum_(sums, "a tile group's statistics' gradient", f"stats-grad {ctx.layer}").div_(ctx.n)
+        gx = _input_grad(grad2, x2, per(mean), invstd, invstd * w, invstd,
+                         *(per(t) for t in means.unbind())).reshape(x.shape)   # means: per (sample, group)
         gw = dw.view(N, C).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
         gb = db.view(N, C).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None, None

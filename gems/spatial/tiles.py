@@ -118,6 +118,15 @@ class TileGroup:
             for req in requests:
                 self.comm.wait(req, what, self.backoff)
 
+    def sum_(self, t: torch.Tensor, what: str, span: str) -> torch.Tensor:
+        """Sum ``t`` (dense, no autograd node's) over the group in place, the wait a span ``span``;
+        returns ``t``. Not differentiable: for the sums a layer's own backward accounts for (the
+        normalisation statistics); ``allreduce`` is the differentiable sum."""
+        if self.size > 1:
+            with self.timed(span):
+                self.comm.allreduce(t, self.group, what, self.backoff)
+        return t
+
     def timed(self, label: str):
         """The body a span ``label`` on the timer's timeline (nothing without a timer)."""
         return nullcontext() if self.timer is None else self.timer.timed(label)
@@ -139,17 +148,11 @@ class _AllReduce(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, tiles: TileGroup, span: str) -> torch.Tensor:
         kind, _, layer = span.partition(" ")
         ctx.tiles, ctx.span = tiles, f"{kind}-grad {layer}"
-        out = formats.dense(x.clone())
-        with tiles.timed(span):
-            tiles.comm.allreduce(out, tiles.group, "a tile group's sum", tiles.backoff)
-        return out
+        return tiles.sum_(formats.dense(x.clone()), "a tile group's sum", span)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = formats.dense(grad.clone())
-        with ctx.tiles.timed(ctx.span):
-            ctx.tiles.comm.allreduce(out, ctx.tiles.group, "the gradient of a tile group's sum", ctx.tiles.backoff)
-        return out, None, None
+        return ctx.tiles.sum_(formats.dense(grad.clone()), "the gradient of a tile group's sum", ctx.span), None, None
 
 
 def allreduce(x: torch.Tensor, tiles: TileGroup, span: str) -> torch.Tensor:
