@@ -241,12 +241,10 @@ class MPIComm(Comm):
         return self._node.zeros(numel, dtype)
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
-        ranks, me = (group.ranks, group.rank) if group is not None else (range(self.size), self.rank)
-        if len(ranks) > 1 and mpi_can_sum(tensor.dtype):
-            summed = self._node.allreduce(tensor, ranks, me, self._mpi(group))
+        if (group.size if group is not None else self.size) > 1 and mpi_can_sum(tensor.dtype):
+            summed = self._in_node_memory("allreduce", tensor, None, group)
             if summed is not None:
-                return self._post([], summed.start, f"allreduce over {self._members(group)} in node memory",
-                                  advance=summed.poll)
+                return summed
         wire = self._wire(tensor, load=True, store=True, reduce=True)
         if wire.ready is None and self._rings(wire.data, group):
             return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,
@@ -266,14 +264,31 @@ class MPIComm(Comm):
                           f"broadcast from rank {root} to {self._members(group)}")
 
     def iallgather_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        done = self._in_node_memory("allgather", flat, bounds, group) if group.size > 1 else None
+        if done is not None:
+            return done
         if not self._rings(flat, group):
             return super().iallgather_runs(flat, bounds, group)
         return self._ring(Wire(flat), group, bounds, False, f"allgather over {self._members(group)}")
 
     def ireduce_scatter_runs(self, flat: Tensor, bounds: Sequence[int], group: Group) -> Request:
+        done = (self._in_node_memory("reduce-scatter", flat, bounds, group)
+                if group.size > 1 and mpi_can_sum(flat.dtype) else None)
+        if done is not None:
+            return done
         if not (mpi_can_sum(flat.dtype) and self._rings(flat, group)):
             return super().ireduce_scatter_runs(flat, bounds, group)
         return self._ring(Wire(flat), group, bounds, True, f"reduce-scatter over {self._members(group)}", False)
+
+    def _in_node_memory(self, kind: str, tensor: Tensor, bounds: Sequence[int] | None,
+                        group: Group | None) -> Request | None:
+        """``kind`` (gems.comm.shared.KINDS) of ``tensor`` over ``group`` in the node's shared memory, where
+        ``tensor`` lies there and the group is on this node; None otherwise (every member answers alike)."""
+        ranks, me = (group.ranks, group.rank) if group is not None else (range(self.size), self.rank)
+        op = self._node.collective(kind, tensor, bounds, ranks, me, self._mpi(group))
+        if op is None:
+            return None
+        return self._post([], op.start, f"{kind} over {self._members(group)} in node memory", advance=op.poll)
 
     def _rings(self, data: Tensor, group: Group | None) -> bool:
         """Whether ``data`` goes through gems.comm.ring: a group's contiguous host tensor of RING_BYTES

@@ -1,4 +1,4 @@
-"""Buffers the ranks of one node share, and an allreduce that adds them where they lie.
+"""Buffers the ranks of one node share, and the collectives that work on them where they lie.
 
 Why by hand: between two ranks of one node, summing 45 MB of float32 (resnet18's gradients) took
 16-20 ms through point-to-point messages (gems.comm.ring) and 31 ms through MPI_Allreduce: each
@@ -6,14 +6,16 @@ message is a copy into the MPI's shared memory and one out of it. In memory both
 MPI-3 shared window, ``MPI_Win_allocate_shared``) the same sum took 4-7 ms: member k of n adds
 chunk k of every member's buffer, reading them where they lie, and writes the sum into each -- no
 message, no copy in or out. So a host buffer that a group sums again and again (a gradient
-bucket, ``Comm.bucket``) is allocated here, and ``NodeBuffers.allreduce`` sums it when every
-member of the group is on this node.
+bucket, ``Comm.bucket``; a sharded optimizer's parameters) is allocated here, and
+``NodeBuffers.collective`` sums it when every member of the group is on this node -- or sums
+only each member's run (a reduce-scatter), or gives each member's run to all (an allgather: the
+sharded optimizer's parameters, each copied once, by the members that read it).
 
 Every member passes a buffer of the same size, each at its own place in its own window segment:
 the first step gathers those places -- and is the barrier after which every member's buffer holds
-its addend --, the last a barrier after which every chunk's sum is in every buffer. Each chunk's
-sum is computed once, by its member (its own addend first, then the others' in member order), and
-copied to the others: every member ends with the same bits.
+its addend --, the last a barrier after which every chunk's sum is in every buffer (and no member
+still reads another's). Each chunk's sum is computed once, by its member (its own addend first,
+then the others' in member order), and copied to the others: every member ends with the same bits.
 
 Freeing a window is collective (``MPI_Win_free``) and the end of an engine is not, so windows
 stay: a later request takes one whose buffers no rank of the node still holds (agreed in one
@@ -104,11 +106,13 @@ class NodeBuffers:
             return torch.zeros(numel, dtype=dtype)
         return window.hand_out(numel, dtype, self._node.Get_rank())
 
-    def allreduce(self, tensor: Tensor, ranks: Sequence[int], me: int, handle: Any) -> _NodeSum | None:
-        """The sum of ``tensor`` over the group of world ``ranks`` (this rank ``me`` among them, over
-        the communicator ``handle``) as a ``_NodeSum``, where ``tensor`` lies in a window and every
-        member is on this node; None otherwise (every member answers alike: a window's buffer is
-        asked for by all ranks of the node, and membership is the node's)."""
+    def collective(self, kind: str, tensor: Tensor, bounds: Sequence[int] | None, ranks: Sequence[int], me: int,
+                   handle: Any) -> _NodeCollective | None:
+        """``kind`` (``KINDS``) of ``tensor`` over the group of world ``ranks`` (this rank ``me`` among
+        them, over the communicator ``handle``), member k's run ``bounds[k]:bounds[k + 1]`` (None:
+        even runs), as a ``_NodeCollective``, where ``tensor`` lies in a window and every member is
+        on this node; None otherwise (every member answers alike: a window's buffer is asked for by
+        all ranks of the node, and membership is the node's)."""
         if tensor.is_cuda or not tensor.is_contiguous():
             return None
         start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -116,56 +120,75 @@ class NodeBuffers:
             if window.base <= start and start + size <= window.base + window.capacity:
                 if any(r not in self._of for r in ranks):
                     return None
-                return _NodeSum(window, index, tensor, start - window.base, [self._of[r] for r in ranks], me, handle)
+                return _NodeCollective(kind, window, index, tensor, start - window.base,
+                                       list(bounds) if bounds is not None else even_bounds(tensor.numel(), len(ranks)),
+                                       [self._of[r] for r in ranks], me, handle)
         return None
 
 
-class _NodeSum:
-    """One sum of a window's buffer over a group (module docstring): ``start`` posts the gathering
-    of the members' places, ``poll`` adds this member's chunk once it is done, then waits for the
-    last barrier."""
+# What a group does with its members' buffers in node memory, member k working on its run k:
+# "allreduce": adds every member's run k and writes the sum into each; "reduce-scatter": adds them
+# into its own only (the rest of its buffer is left as it was); "allgather": copies every other
+# member's run of theirs into its own buffer.
+KINDS = ("allreduce", "reduce-scatter", "allgather")
 
-    def __init__(self, window: _Window, index: int, tensor: Tensor, offset: int, node_ranks: list[int], me: int,
-                 handle: Any) -> None:
+
+class _NodeCollective:
+    """One ``KINDS`` operation on a window's buffers over a group (module docstring): ``start`` posts
+    the gathering of the members' places, ``poll`` does this member's part once it is done, then
+    waits for the last barrier."""
+
+    def __init__(self, kind: str, window: _Window, index: int, tensor: Tensor, offset: int, bounds: list[int],
+                 node_ranks: list[int], me: int, handle: Any) -> None:
+        self.kind, self.bounds = kind, bounds
         self.window, self.tensor, self.node_ranks, self.me, self.handle = window, tensor, node_ranks, me, handle
         self.sent = np.array([index, offset, tensor.numel()], dtype=np.int64)   # which window, where, how many
         self.places = np.zeros((len(node_ranks), 3), dtype=np.int64)
         self.request: Any = None
-        self.added = False
+        self.done = False
 
     def start(self) -> list[Any]:
-        self.window.win.Sync()   # this member's addend, written before, visible to the others
+        self.window.win.Sync()   # this member's buffer, written before, visible to the others
         self.request = self.handle.Iallgather(self.sent, self.places)
         return [self.request]
 
     def poll(self) -> bool:
         if not self.request.Test():
             return False
-        if self.added:
-            self.window.win.Sync()   # the others' sums, written before their barrier, seen
+        if self.done:
+            self.window.win.Sync()   # what the others wrote before their barrier, seen
             return True
         self.window.win.Sync()
         numel, dtype = self.tensor.numel(), self.tensor.dtype
         if any((int(w), int(n)) != (self.sent[0], numel) for w, _, n in self.places):
-            raise RuntimeError(f"the members of node ranks {self.node_ranks} sum buffers of windows and sizes "
+            raise RuntimeError(f"the members of node ranks {self.node_ranks} pass buffers of windows and sizes "
                                f"{sorted({(int(w), int(n)) for w, _, n in self.places})}: they disagree on the bucket")
         views = [self.window.peer(q)[int(at):int(at) + numel * dtype.itemsize].view(dtype)
                  for q, (_, at, _) in zip(self.node_ranks, self.places)]
-        bounds = even_bounds(numel, len(views))
-        step = max(CHUNK_BYTES // dtype.itemsize, 1)
-        for lo in range(bounds[self.me], bounds[self.me + 1], step):   # a piece's sum read back from the cache
-            hi = min(lo + step, bounds[self.me + 1])
+        if self.kind == "allgather":
+            for q, view in enumerate(views):
+                if q != self.me:
+                    views[self.me][self.bounds[q]:self.bounds[q + 1]].copy_(view[self.bounds[q]:self.bounds[q + 1]])
+        else:
+            self._add(views, self.kind == "allreduce")
+        self.window.win.Sync()
+        self.done = True
+        self.request = self.handle.Ibarrier()
+        return self.poll()
+
+    def _add(self, views: list[Tensor], back: bool) -> None:
+        """This member's run, the sum of every member's, in its own buffer (and with ``back`` in
+        every other member's): each piece added, then copied out while it is still in the cache."""
+        step = max(CHUNK_BYTES // views[0].element_size(), 1)
+        for lo in range(self.bounds[self.me], self.bounds[self.me + 1], step):
+            hi = min(lo + step, self.bounds[self.me + 1])
             total = views[self.me][lo:hi]
             for q, view in enumerate(views):
                 if q != self.me:
                     total.add_(view[lo:hi])
             for q, view in enumerate(views):
-                if q != self.me:
+                if q != self.me and back:
                     view[lo:hi].copy_(total)
-        self.window.win.Sync()
-        self.added = True
-        self.request = self.handle.Ibarrier()
-        return self.poll()
 
 
 def _shared_room() -> int:

@@ -82,9 +82,10 @@ class GradBucket:
         self.params[key] = ordered
 
     @torch.no_grad()
-    def flatten(self, params: list[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
-        """One buffer holding ``params`` (the bucket's [lo, hi)), each parameter's data now a view of it."""
-        flat = torch.empty(hi - lo, dtype=params[0].dtype, device=params[0].device)
+    def flatten(self, params: list[nn.Parameter], lo: int, hi: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One buffer holding ``params`` (the bucket's [lo, hi)), each parameter's data now a view of it:
+        ``into`` (hi - lo elements), or a new one."""
+        flat = torch.empty(hi - lo, dtype=params[0].dtype, device=params[0].device) if into is None else into
         for p in params:
             start = self.offsets[id(p)] - lo
             view = formats.like(flat[start:start + p.numel()], p)

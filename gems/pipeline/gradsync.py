@@ -114,6 +114,7 @@ class GradSync:
         placed = {k for k in params if k[0] in self._weights_on_host}
         lazy = {k for k in params if k[0] in self._on_host and k not in placed}
         self.layout = GradBucket(params, stats, placed, lazy, dtype, device, lambda: self.host.views, comm.bucket)
+        self._zeros = comm.bucket
         self.bucket = self.layout.flat
         self._overlap = comm.overlaps_collectives
         self._owned: set[int] | None = None   # ids of the parameters this rank updates (sharded optimizer)
@@ -144,6 +145,14 @@ class GradSync:
         optimizer gets the host copies of its parameters instead (``gems.pipeline.hostopt``)."""
         sharded = shard and bool(self.shard_groups)
         owned: list[nn.Parameter] = []
+        # the sharded parts' parameters held where the communicator gathers them fastest (``Comm.bucket``:
+        # node memory under MPI), one buffer for all; asked for by every rank when sharding (collective)
+        pool = None
+        if shard:
+            pool = self._zeros(sum(sum(p.numel() for p in params) for key, params in self.layout.params.items()
+                                   if sharded and self._parts[key][1] is not None and key[0] not in self._on_host),
+                               self.bucket.dtype, self.bucket.device)
+        taken = 0
         for key, mine in self.layout.params.items():   # each part over its own sync group (a tiled one: every tile)
             group = self._parts[key][1]
             bounds = None
@@ -157,9 +166,11 @@ class GradSync:
             owned += mine[bounds[group.rank]:bounds[group.rank + 1]]
             if mine:   # the part's gradients are contiguous; member k's run of whole parameters a piece of them
                 lo, hi = self.layout.span(mine)
-                self._runs[key] = (self.layout.flatten(mine, lo, hi) if flat is None else flat,
-                                   [self.layout.offsets[id(mine[b])] - lo if b < len(mine) else hi - lo
-                                    for b in bounds])
+                if flat is None:
+                    flat = self.layout.flatten(mine, lo, hi, pool[taken:taken + hi - lo])
+                    taken += hi - lo
+                self._runs[key] = (flat, [self.layout.offsets[id(mine[b])] - lo if b < len(mine) else hi - lo
+                                          for b in bounds])
         if not sharded:
             return [self.host.parameter(p) for s in self.stages.values() for p in s.parameters()]
         if not owned:

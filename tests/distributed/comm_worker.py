@@ -117,7 +117,7 @@ def check_buckets(comm: gems.comm.Comm) -> None:
     gives its memory to the next."""
     cpu, n = torch.device("cpu"), comm.size
     pair = [n - 1, 0]
-    g_pair = comm.group(pair)
+    g_pair, g_all = comm.group(pair), comm.group(list(range(n)))
     for numel in (5, 300_000):
         flat = comm.bucket(numel + 7, torch.float32, cpu)
         if flat.shape != (numel + 7,) or bool(flat.any()):
@@ -140,12 +140,36 @@ def check_buckets(comm: gems.comm.Comm) -> None:
             bits = comm.allgather_object(zlib.crc32(flat[7:].numpy().tobytes()), group)
             if len(set(bits)) != 1:
                 raise AssertionError(f"a bucket's sum over {ranks} differs between members")
+            check_runs(comm, flat[7:], whole, ranks, group or g_all)
         where = flat.data_ptr()
         del flat
         again = comm.bucket(numel, torch.float32, cpu)
         if comm.backend == "mpi" and again.data_ptr() != where:
             raise AssertionError("a bucket no tensor uses did not give its memory to the next")
         del again
+
+
+def check_runs(comm: gems.comm.Comm, flat: torch.Tensor, whole: torch.Tensor, ranks: list[int], group) -> None:
+    """A sharded optimizer's collectives on a bucket (``flat``, of ``whole``'s size) over ``ranks``, by
+    uneven runs, the first member's empty: the reduce-scatter sums each member's own run (exact:
+    integers), the allgather gives every member each run from its member; in node memory on MPI."""
+    numel, at = whole.numel(), ranks.index(comm.rank)
+    bounds = [0, 0] + [numel * k // len(ranks) for k in range(2, len(ranks))] + [numel]
+    flat.copy_(whole * (comm.rank + 1))
+    req = comm.ireduce_scatter_runs(flat, bounds, group)
+    comm.wait(req, f"a bucket's reduce-scatter over {ranks}")
+    lo, hi = bounds[at], bounds[at + 1]
+    same((flat[lo:hi],), (whole[lo:hi] * sum(r + 1 for r in ranks),), f"reduce-scatter run of {ranks}")
+    flat.copy_(whole * (comm.rank + 1))   # each member's own run: its values; the rest: to be overwritten
+    req = comm.iallgather_runs(flat, bounds, group)
+    comm.wait(req, f"a bucket's allgather over {ranks}")
+    expected = torch.cat([whole[a:b] * (r + 1) for r, a, b in zip(ranks, bounds, bounds[1:])])
+    same((flat,), (expected,), f"allgather of runs over {ranks}")
+    if comm.backend == "mpi":
+        for r in (comm.ireduce_scatter_runs(flat, bounds, group), comm.iallgather_runs(flat, bounds, group)):
+            comm.wait(r, "a bucket's collective")
+            if "in node memory" not in r.describe:
+                raise AssertionError(f"a bucket's collective over {ranks} went {r.describe!r}")
 
 
 def check_broadcast_and_objects(comm: gems.comm.Comm) -> None:
