@@ -124,8 +124,8 @@ def test_group_ranks_are_checked():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_every_operation(run_mpi, backend, ranks):
     """p2p tuples (float32/bfloat16/int64, 0-dim, empty, non-contiguous), ring with pre-posted
-    receives, tag matching, test(), allreduce on the world and on sub-groups, buckets and their sums
-    (in the node's shared memory on MPI), broadcast,
+    receives, tag matching, test(), allreduce on the world and on sub-groups, buckets and their sums,
+    reduce-scatters and allgathers by runs (in the node's shared memory on MPI), broadcast,
     allgather_object, the timeout message, tag limits, configure_threads."""
     result = run_mpi(ranks, WORKER, backend, "features", timeout=60, env={"GEMS_DEBUG": "1"})
     # Ranks' lines may interleave within one line of mpiexec's output: find, don't split.
