@@ -37,8 +37,8 @@ test: install
 	@log=$$(mktemp); \
 	$(PY) -m pytest -q tests/test_faults.py tests/test_slurm.py >"$$log" 2>&1 & beside=$$!; \
 	trap 'kill $$beside 2>/dev/null; rm -f "$$log"' INT TERM; \
-	nice -n 10 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --ignore tests/test_faults.py \
-	    --ignore tests/test_slurm.py tests; workers=$$?; \
+	nice -n 10 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
+	    --ignore tests/test_faults.py --ignore tests/test_slurm.py tests; workers=$$?; \
 	wait $$beside; alone=$$?; \
 	echo "--- tests/test_faults.py tests/test_slurm.py (run beside the rest) ---"; cat "$$log"; rm -f "$$log"; \
 	[ $$workers -eq 0 ] && [ $$alone -eq 0 ]
