@@ -78,7 +78,7 @@ def in_lockstep(net: nn.Module, comm) -> nn.Module:
     """``net`` with every BatchNorm and GroupNorm layer a barrier of ``comm``'s ranks in forward and in
     backward (``--lockstep``), waited for with the tile group's back-off."""
     empty = torch.zeros(1)
-    backoff = tile_backoff(comm.backoff)
+    backoff = tile_backoff(comm)
 
     def barrier(*_) -> None:
         comm.wait(comm.iallreduce(empty, None), "the lockstep barrier", backoff)

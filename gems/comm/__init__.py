@@ -36,7 +36,8 @@ import socket
 import torch
 
 from gems.comm import launcher
-from gems.comm.base import TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request, all_of
+from gems.comm.base import (TENSORS_PER_MESSAGE, Backoff, Comm, CommTimeout, Group, P2POp, Request, all_of,
+                             usable_cores)
 from gems.errors import GemsError
 
 __all__ = ["create", "world_rank", "Comm", "Group", "Request", "all_of", "P2POp", "CommTimeout", "Backoff",
@@ -83,17 +84,10 @@ def world_rank() -> int:
     return 0
 
 
-def _cores() -> set[int]:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return set(os.sched_getaffinity(0))
-    return set(range(os.cpu_count() or 1))
-
-
 def default_threads(local_size: int, cores: int | None = None) -> int:
     """Intra-op threads for one of ``local_size`` ranks sharing ``cores`` cores (default: the
     cores this process may run on): an equal share, at least one."""
-    cores = len(_cores()) if cores is None else cores
+    cores = len(usable_cores()) if cores is None else cores
     return max(1, cores // max(1, local_size))
 
 
@@ -105,7 +99,7 @@ def configure_threads(comm: Comm) -> int:
     pinned each rank to its own cores (srun --cpus-per-task), a rank uses all of them; if all
     ranks may run everywhere, they split the cores evenly. Oversubscribing cores with threads
     slows every rank down, most of all the ones on the pipeline's critical path."""
-    mine = _cores()
+    mine = usable_cores()
     peers = comm.allgather_object((socket.gethostname(), sorted(mine)))
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()

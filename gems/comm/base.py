@@ -57,6 +57,16 @@ class Backoff:
     # (a tile's halo: 64-float allreduces of 2 ranks took 2.5 ms each with the sleeps, 4 us polling)
 
 
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
+def usable_cores() -> set[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
 def seconds(t: float) -> str:
     """Elapsed time for messages: whole seconds, one decimal below ten."""
     return f"{t:.0f}" if t >= 10 else f"{t:.1f}"
@@ -68,9 +78,10 @@ def poll_until(done: Callable[[], bool], timeout: float, backoff: Backoff,
 
     The one waiting loop of gems (see the module docstring for why it sleeps instead of blocking)."""
     start = time.monotonic()
-    while not done():   # polling without sleep for the first backoff.spin seconds
-        if time.monotonic() - start >= backoff.spin:
+    while not done():   # polling without sleep for the first backoff.spin seconds, the core given up
+        if time.monotonic() - start >= backoff.spin:   # to any other process that wants it (sched_yield)
             break
+        _yield()
     else:
         return
     delay = backoff.first
@@ -201,6 +212,9 @@ class Comm:
     backend = "base"
     # whether a collective may run while point-to-point transfers are posted (False: NCCL)
     overlaps_collectives = True
+    # whether this rank may poll through a wait without taking a core another rank needs (``own_core``);
+    # False where ranks are threads of one process (the loopback: polling holds the GIL)
+    polls_freely = False
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int,
                  device: torch.device, timeout: float, backoff: Backoff) -> None:
@@ -210,6 +224,14 @@ class Comm:
         self.timeout = timeout
         self.backoff = backoff
         self.received: Counter[int] = Counter()
+
+    @property
+    def own_core(self) -> bool:
+        """Whether this rank has a core of its own to wait on: the node's ranks are no more than the
+        cores this process may run on (a launcher that pins ranks to fewer cores each, or more ranks
+        than cores, says no). Waits on the critical path then poll instead of sleeping: a sleeping
+        rank's core may go idle, and on a virtual machine waking it took milliseconds at times."""
+        return self.polls_freely and self.local_size <= len(usable_cores())
 
     def count_received(self, buffers: Sequence[Tensor], tag: int) -> None:
         """Add a posted receive's bytes to ``received`` (every backend's receives call it)."""

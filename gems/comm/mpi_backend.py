@@ -66,6 +66,7 @@ class MPIComm(Comm):
     ``staging``: the :class:`StagingPool` of pinned host buffers for GPU tensors."""
 
     backend = "mpi"
+    polls_freely = True
 
     def __init__(self, device: torch.device, timeout: float, backoff: Backoff,
                  allow_shared_gpu: bool = False) -> None:

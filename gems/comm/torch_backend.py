@@ -151,6 +151,7 @@ class TorchComm(Comm):
     ``message_limit``: the byte size above which a tensor travels in pieces."""
 
     backend = "torch"
+    polls_freely = True
 
     def __init__(self, device: torch.device, timeout: float, backoff: Backoff,
                  allow_shared_gpu: bool = False) -> None:

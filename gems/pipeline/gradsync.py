@@ -326,7 +326,7 @@ class GradSync:
             reduces = [(k, self._issue(k) if req is None else req) for k, req in reduces]
             for key, req in reduces:
                 self.comm.wait(req, f"the gradient allreduce of stage {key[0]}",
-                               tile_backoff(self.comm.backoff) if key in self._over_tiles else None)
+                               tile_backoff(self.comm) if key in self._over_tiles else None)
                 _, _, copy, buffers = self._summed(key)
                 if buffers:
                     copy /= self._parts[key][1].size

@@ -25,17 +25,24 @@ from gems.spatial.geometry import Range, parts
 
 TILE_TAG = 1_000_000   # above every pipeline message tag (gems.schedule.ir.Message.tag), under MPICH's bound
 # Tiles keep pace with each other, so their waits are short: poll without sleeping this long before
-# the communicator's back-off sleeps begin (gems.comm.base.Backoff.spin).
+# the communicator's back-off sleeps begin (gems.comm.base.Backoff.spin) ...
 SPIN_SECONDS = 2e-3
+# ... or this long where the rank has a core of its own (``Comm.own_core``): nobody needs the core, and
+# a sleeping rank's may go idle. On two vCPUs (resnet18 512^2, 2x1 tiles), the ceiling with every
+# normalisation a barrier (benchmarks/spatial.py --lockstep) took 0.70 and 0.96 of the plain ceiling
+# with 2 ms of polling, 0.95 and 0.95 polling throughout, alternating launches: the sleeps past
+# 2 ms now and then cost whole milliseconds to wake from.
+OWN_CORE_SPIN_SECONDS = 1.0
 # ... and sleep at most this long between tests after it: a tile's wait holds up every member of the
 # group, so a late wake-up is lost on all of them (the communicator's longer cap suits waits off that path).
 LONGEST_SLEEP = 2.5e-4
 
 
-def tile_backoff(source):
-    """The back-off of a tile group's waits from its communicator's ``source``: the group's spin and
-    longest sleep."""
-    return dataclasses.replace(source, spin=SPIN_SECONDS, longest=min(source.longest, LONGEST_SLEEP))
+def tile_backoff(comm):
+    """The back-off of a tile group's waits on ``comm``: its communicator's, with the group's spin
+    (longer where the rank has a core of its own) and longest sleep."""
+    spin = OWN_CORE_SPIN_SECONDS if comm.own_core else SPIN_SECONDS
+    return dataclasses.replace(comm.backoff, spin=spin, longest=min(comm.backoff.longest, LONGEST_SLEEP))
 
 
 @dataclass(eq=False)
@@ -138,7 +145,7 @@ class TileGroup:
         source, made = self._backoff
         if source is not self.comm.backoff:
             source = self.comm.backoff
-            made = tile_backoff(source)
+            made = tile_backoff(self.comm)
             self._backoff = (source, made)
         return made
 
