@@ -5,7 +5,10 @@ how to test one for completion. Everything that waits goes through :func:`poll_u
 
 * no wait spins a core: MPI's blocking calls busy-poll, which on a node with more ranks than cores
   steals the cycles the computing ranks need (measured: 4.0 s blocking vs 1.84 s polling with
-  back-off for a 4-rank chain on 2 cores). We test, sleep 50 us, test, sleep 100 us, ... up to 2 ms;
+  back-off for a 4-rank chain on 2 cores). We test, sleep 50 us, test, sleep 100 us, ... up to 2 ms
+  -- after polling for ``Backoff.spin`` seconds first where a wait is short and on the critical path
+  (a tile group's: 2 ms, or 1 s where the rank has a core of its own, ``Comm.own_core``), every poll
+  giving the core up to any process that wants it;
 * no wait hangs forever: after ``timeout`` seconds the loop raises :class:`CommTimeout` naming this
   rank, the peer and the action, and :meth:`Comm.guard` turns that into an abort of the whole job.
 """
