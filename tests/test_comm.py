@@ -38,6 +38,20 @@ def test_poll_backs_off_from_first_to_longest_then_times_out(monkeypatch):
     assert max(clock.sleeps) == 2e-3
 
 
+@pytest.mark.parametrize("yield_takes, polls", [(0.0, True), (1e-3, False)])
+def test_poll_spins_first_unless_another_process_takes_the_core(monkeypatch, yield_takes, polls):
+    """Backoff.spin: polls (each yielding the core) with no sleep until done -- unless a yield came back
+    late (another process ran: the core is not this rank's alone), then the sleeping back-off."""
+    clock = FakeClock()
+    monkeypatch.setattr(base.time, "monotonic", lambda: clock.now)
+    monkeypatch.setattr(base.time, "sleep", clock.sleep)
+    monkeypatch.setattr(base, "_yield", lambda: setattr(clock, "now", clock.now + yield_takes + 1e-6))
+    tests = iter([False] * 50 + [True])
+    poll_until(lambda: next(tests), 10.0, Backoff(50e-6, 2e-3, spin=1.0), str)
+    assert (clock.sleeps == []) is polls
+    assert clock.sleeps[:1] == ([] if polls else [50e-6])
+
+
 def test_poll_returns_without_sleeping_when_done():
     calls = iter([False, False, True])
     poll_until(lambda: next(calls), 1.0, Backoff(), str)  # would raise StopIteration if over-polled

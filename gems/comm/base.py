@@ -8,7 +8,8 @@ how to test one for completion. Everything that waits goes through :func:`poll_u
   back-off for a 4-rank chain on 2 cores). We test, sleep 50 us, test, sleep 100 us, ... up to 2 ms
   -- after polling for ``Backoff.spin`` seconds first where a wait is short and on the critical path
   (a tile group's: 2 ms, or 1 s where the rank has a core of its own, ``Comm.own_core``), every poll
-  giving the core up to any process that wants it;
+  giving the core up to any process that wants it, and none once one took it (the node is busier
+  than its ranks: a test run's other workers);
 * no wait hangs forever: after ``timeout`` seconds the loop raises :class:`CommTimeout` naming this
   rank, the peer and the action, and :meth:`Comm.guard` turns that into an abort of the whole job.
 """
@@ -61,6 +62,9 @@ class Backoff:
 
 
 _yield = getattr(os, "sched_yield", lambda: None)
+# A yield that returns later than this ran another process: a waiting rank stops polling then (0.4 us
+# a yield on an idle core here; a time slice given away is milliseconds).
+CONTENDED = 1e-4
 
 
 def usable_cores() -> set[int]:
@@ -82,9 +86,12 @@ def poll_until(done: Callable[[], bool], timeout: float, backoff: Backoff,
     The one waiting loop of gems (see the module docstring for why it sleeps instead of blocking)."""
     start = time.monotonic()
     while not done():   # polling without sleep for the first backoff.spin seconds, the core given up
-        if time.monotonic() - start >= backoff.spin:   # to any other process that wants it (sched_yield)
+        now = time.monotonic()   # to any other process that wants it (sched_yield) ...
+        if now - start >= backoff.spin:
             break
         _yield()
+        if time.monotonic() - now > CONTENDED:   # ... and once one did, sleeping: the core is not ours alone
+            break
     else:
         return
     delay = backoff.first
