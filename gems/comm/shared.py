@@ -186,9 +186,10 @@ class _NodeCollective:
             for q, view in enumerate(views):
                 if q != self.me:
                     total.add_(view[lo:hi])
-            for q, view in enumerate(views):
-                if q != self.me and back:
-                    view[lo:hi].copy_(total)
+            if back:
+                for q, view in enumerate(views):
+                    if q != self.me:
+                        view[lo:hi].copy_(total)
 
 
 def _shared_room() -> int:
