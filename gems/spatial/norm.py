@@ -117,9 +117,9 @@ def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
     make dx (``_input_grad``)."""
     grad, invstd = formats.dense(grad), torch.rsqrt(var + eps)
     dw, db = _sums(grad, x, mean, var, invstd, eps)
-    means = tiles.sum_(torch.stack([db, dw]), "a tile group's statistics' gradient", f"stats-grad {layer}").div_(n)
+    means = tiles.sum_(torch.stack([db, dw]), "a tile group's statistics' gradient", f"stats-grad {layer}").div_(-n)
     scale = invstd if weight is None else invstd * weight
-    return _input_grad(grad, x, mean, invstd, scale, scale, *means.unbind()), dw, db
+    return _input_grad(grad, x, mean, var, eps, scale, scale, *means.unbind()), dw, db
 
 
 def _sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor,
@@ -133,17 +133,18 @@ def _sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Te
     return dw, db
 
 
-def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, a: torch.Tensor,
-                r: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
-    """dx = a·dy - r·(t0 + x̂·t1) per channel (dim 1), x̂ = (x - mean)·invstd: a normalisation's input
-    gradient, with ``a`` = invstd x the weight, ``t0`` and ``t1`` the means of dy and dy·x̂ over
-    the channel's statistics' elements, ``r`` = ``a`` (BatchNorm); or with ``t0``, ``t1`` those of
-    weight·dy, weight·dy·x̂, ``r`` = invstd (GroupNorm: several channels' statistics). As
-    a·dy - b·x + c: two fused passes into one new tensor."""
-    b = torch.mul(r, invstd).mul_(t1)          # coefficient of -x
-    c = torch.mul(b, mean).addcmul_(r, t0, value=-1)
+def _input_grad(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float,
+                a: torch.Tensor, r: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
+    """dx = a·dy + r·(t0 + x̂·t1) per channel (dim 1), x̂ = (x - mean)/sqrt(var + eps): a normalisation's
+    input gradient, with ``a`` = invstd x the weight, ``t0`` and ``t1`` minus the means of dy and dy·x̂
+    over the channel's statistics' elements, ``r`` = ``a`` (BatchNorm); or with ``t0``, ``t1``
+    minus those of weight·dy, weight·dy·x̂, ``r`` = invstd (GroupNorm: several channels' statistics).
+    r·(t0 + x̂·t1) is PyTorch's eval-mode normalisation of x with weight r·t1 and bias r·t0: one
+    fused, vectorised pass into a new tensor, then a·dy added in place. (torch.addcmul with
+    per-channel operands broadcast over the image ran at half that speed on CPU: for 64 channels of
+    128 x 256, 6.5 ms against 3.5 for the whole input gradient.)"""
     view = (1, -1) + (1,) * (x.dim() - 2)
-    return torch.addcmul(c.view(view), x, b.view(view), value=-1).addcmul_(grad, a.view(view))
+    return _normalise(x, mean, var, torch.mul(r, t1), torch.mul(r, t0), eps).addcmul_(grad, a.view(view))
 
 
 def group_norm(x, tiles, size, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
@@ -188,8 +189,8 @@ class _GroupNorm(torch.autograd.Function):
         dw, db = _sums(grad2, x2, per(mean), per(var), invstd, ctx.eps)
         w = torch.ones_like(dw) if weight is None else weight.repeat(N)
         sums = torch.stack([(w * db).view(N, G, -1).sum(2), (w * dw).view(N, G, -1).sum(2)]).view(2, N * G)
-        means = ctx.tiles.sum_(sums, "a tile group's statistics' gradient", f"stats-grad {ctx.layer}").div_(ctx.n)
-        gx = _input_grad(grad2, x2, per(mean), invstd, invstd * w, invstd,
+        means = ctx.tiles.sum_(sums, "a tile group's statistics' gradient", f"stats-grad {ctx.layer}").div_(-ctx.n)
+        gx = _input_grad(grad2, x2, per(mean), per(var), ctx.eps, invstd * w, invstd,
                          *(per(t) for t in means.unbind())).reshape(x.shape)   # means: per (sample, group)
         gw = dw.view(N, C).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
         gb = db.view(N, C).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
