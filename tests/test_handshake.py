@@ -122,8 +122,8 @@ def test_two_ranks_with_different_model_files_stop_before_training(tmp_path):
 
 @pytest.fixture(scope="module")
 def mismatch_launch():
-    """One launch per backend of tests/distributed/mismatch_worker.py (a buffer of 6, then of 4, for 5
-    floats), made on first use: backend -> its result."""
+    """One launch per backend of tests/distributed/mismatch_worker.py (a buffer of 6, a strided one of 6,
+    then one of 4, for 5 floats), made on first use: backend -> its result."""
     launches = {}
 
     def of(backend: str):
@@ -133,18 +133,20 @@ def mismatch_launch():
     return of
 
 
-@pytest.mark.parametrize("backend, elements, message", [
-    ("mpi", 4, "16 bytes received but buffer size is 20; the ranks disagree on the boundary shapes or dtypes"),
-    ("mpi", 6, "tensor 0 brought 20 bytes for a 24-byte buffer; the ranks disagree on the boundary shapes"),
-    ("torch", 4, "Received data size doesn't match expected size"),   # gloo aborts the receiving process
-    ("torch", 6, "tensor 0 from rank 0 brought 20 bytes for a 24-byte buffer; the ranks disagree"),
+@pytest.mark.parametrize("backend, buffer, message", [
+    ("mpi", "buffer of 4", "16 bytes received but buffer size is 20; the ranks disagree on the boundary shapes"),
+    ("mpi", "buffer of 6", "tensor 0 brought 20 bytes for a 24-byte buffer; the ranks disagree on the boundary shapes"),
+    ("mpi", "strided buffer of 6", "tensor 0 brought 20 bytes for a 24-byte buffer; the ranks disagree"),
+    ("torch", "buffer of 4", "Received data size doesn't match expected size"),   # gloo aborts the receiving process
+    ("torch", "buffer of 6", "tensor 0 from rank 0 brought 20 bytes for a 24-byte buffer; the ranks disagree"),
+    ("torch", "strided buffer of 6", "tensor 0 from rank 0 brought 20 bytes for a 24-byte buffer; the ranks disagree"),
 ])
-def test_a_received_tensor_of_the_wrong_size_is_an_error_not_a_hang(backend, elements, message, mismatch_launch):
+def test_a_received_tensor_of_the_wrong_size_is_an_error_not_a_hang(backend, buffer, message, mismatch_launch):
     result = mismatch_launch(backend)
     assert "without an error" not in result.stdout, result.tail()
     assert result.returncode != 0, result.tail()   # the buffer of 4, received last, ends the job
-    if elements == 6:   # raised on the receiver, which caught it to go on to the buffer of 4
-        assert any(line.startswith("buffer of 6: ") and message in line for line in result.stderr.splitlines()), \
+    if buffer != "buffer of 4":   # raised on the receiver, which caught it to go on to the buffer of 4
+        assert any(line.startswith(f"{buffer}: ") and message in line for line in result.stderr.splitlines()), \
             result.tail()
     else:
         assert message in result.stderr, result.tail()

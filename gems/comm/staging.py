@@ -56,9 +56,10 @@ def mpi_can_sum(dtype: torch.dtype) -> bool:
 
 
 def as_bytes(wire: Tensor) -> Any:
-    """A uint8 view of the contiguous ``wire``: numpy on the host, the tensor itself on a GPU."""
-    flat = wire.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
+    """A uint8 view of the contiguous ``wire`` (its shape kept but for the last axis, so not always
+    flat): numpy on the host, the tensor itself on a GPU."""
+    data = (wire if wire.dim() else wire.reshape(1)).view(torch.uint8)   # no reshape: a torch call costs us
+    return data if data.is_cuda else data.numpy()
 
 
 def as_typed(wire: Tensor) -> Any:
