@@ -243,25 +243,24 @@ class MPIComm(Comm):
         sizes = [t.numel() * t.element_size() for t in buffers]
         if self._at_once(buffers):
             reqs = [self._comm.Irecv([as_bytes(t), MPI.BYTE], src, wire_tag) for t, wire_tag in zip(buffers, tags)]
-            statuses = [MPI.Status() for _ in reqs]
+            statuses, index = [MPI.Status() for _ in reqs], list(range(len(reqs)))
 
             def received() -> bool:
                 if self._queue:
                     self._progress()
                 if not self._received(reqs, statuses, describe):
                     return False
-                self._check_counts(statuses, list(range(len(reqs))), sizes, describe)
+                self._check_counts(statuses, index, sizes, describe)
                 return True
             return Request(received, describe, buffers)
         wires = [self._wire(t, load=False, store=True) for t in buffers]
-        # the tensor of each piece
-        index = [i for i, size in enumerate(sizes) for _ in byte_ranges(size, self.message_limit)]
+        pieces = [i for i, size in enumerate(sizes) for _ in byte_ranges(size, self.message_limit)]  # their tensors
 
         def start() -> list[Any]:
             return [self._comm.Irecv([piece, MPI.BYTE], src, wire_tag)
                     for w, wire_tag in zip(wires, tags) for piece in self._pieces(w.data)]
 
-        return self._post(wires, start, describe, lambda statuses: self._check_counts(statuses, index, sizes, describe))
+        return self._post(wires, start, describe, lambda statuses: self._check_counts(statuses, pieces, sizes, describe))
 
     def group(self, ranks: list[int]) -> Group | None:
         ranks = check_group_ranks(ranks, self.size)

@@ -56,10 +56,11 @@ def mpi_can_sum(dtype: torch.dtype) -> bool:
 
 
 def as_bytes(wire: Tensor) -> Any:
-    """A uint8 view of the contiguous ``wire`` (its shape kept but for the last axis, so not always
-    flat): numpy on the host, the tensor itself on a GPU."""
-    data = (wire if wire.dim() else wire.reshape(1)).view(torch.uint8)   # no reshape: a torch call costs us
-    return data if data.is_cuda else data.numpy()
+    """A uint8 view of the contiguous ``wire``: on the host a numpy array of ``wire``'s shape but for
+    the last axis (not flattened: one torch call less, and tens of these are posted a step), on a GPU
+    the flat tensor itself."""
+    data = (wire if wire.dim() else wire.reshape(1)).view(torch.uint8)
+    return data.reshape(-1) if data.is_cuda else data.numpy()
 
 
 def as_typed(wire: Tensor) -> Any:
