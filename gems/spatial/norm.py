@@ -94,20 +94,39 @@ def _tile_sums(x: torch.Tensor) -> torch.Tensor:
     """(Σx, Σx²) per channel (dim 1) of this tile, float64 (2, C). Where each channel's values lie
     in one run of memory (one sample, on CPU), two vectorised reductions of the rows: 4-8x faster
     than the fused pass of PyTorch's training-mode BatchNorm on CPU -- GroupNorm's (1, N x G, rest)
-    view above all -- unless the mean dwarfs the deviation (``SPREAD``). Otherwise that fused pass
-    (~5x faster than torch.var_mean on CPU), its Σx² rebuilt as count x (var + mean²): exact enough
-    in float64 whatever the mean."""
+    view above all --, the channels whose mean dwarfs their deviation (``SPREAD``) summed again about
+    that mean (``_about_mean``). Otherwise that fused pass (~5x faster than torch.var_mean on CPU),
+    its Σx² rebuilt as count x (var + mean²): exact enough in float64 whatever the mean."""
     count = x.numel() // x.shape[1]
     if x.shape[0] == 1 and x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32,
                                                                                          torch.float64):
         rows = x.view(x.shape[1], -1)
         total, square = rows.sum(1), torch.linalg.vector_norm(rows, 2, 1).square_()
-        # every channel's (Σx)² x SPREAD <= Σx² x count x (SPREAD - 1); false for NaN too
-        if float(torch.addcmul(square, total, total, value=-SPREAD / ((SPREAD - 1) * count)).min()) >= 0:
-            return torch.stack([total, square]).double()
+        # each channel's (Σx)² x SPREAD <= Σx² x count x (SPREAD - 1); false for NaN too
+        close = torch.addcmul(square, total, total, value=-SPREAD / ((SPREAD - 1) * count)) >= 0
+        sums = torch.stack([total, square]).double()
+        if not bool(close.all()):
+            _about_mean(rows, sums, (~close).nonzero().flatten())
+        return sums
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     mean = mean.double()
     return torch.stack([mean * count, var.double().addcmul_(mean, mean).mul_(count)])
+
+
+def _about_mean(rows: torch.Tensor, sums: torch.Tensor, channels: torch.Tensor) -> None:
+    """``sums``' (Σx, Σx²) of ``channels`` (rows of ``rows``) again, from the values less c, their
+    mean by the first sums rounded to ``rows``' dtype: Σx = count x c + Σ(x - c), Σx² = Σ(x - c)²
+    + 2c Σ(x - c) + count x c², in float64. The sums about c lose nothing to the mean, in a pass over
+    those channels alone, where PyTorch's fused pass would read every channel again for a few: in
+    resnet18 on a 256 x 512 image, 13 of 64 channels of one layer, 2 and 4 of 128 of two more, and
+    this tile's sums of 64 x 64 x 128 with 13 such channels took 0.58 ms against 1.9."""
+    count = rows.shape[1]
+    shift = sums[0, channels].div(count).to(rows.dtype)
+    apart = rows.index_select(0, channels).sub_(shift[:, None])
+    c, total = shift.double(), apart.sum(1).double()
+    square = torch.linalg.vector_norm(apart, 2, 1).double().square_()
+    sums[0, channels] = total.add(c, alpha=count)
+    sums[1, channels] = square.addcmul_(c, total, value=2).addcmul_(c, c, value=count)
 
 
 def _tile_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
