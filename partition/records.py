@@ -163,22 +163,20 @@ class ModelProfile:
         if self._working is None:
             n = len(self.units)
             A = self.activation_matrix()
-            S = segment_bytes(n, self.storages, terms=("saved", "input"))
-            I = segment_bytes(n, self.storages, terms=("input",))   # noqa: E741 - the stage's inputs
-            O = segment_bytes(n, self.storages, terms=("output",))  # noqa: E741 - its outputs
+            S, I, O = segment_matrices(n, self.storages, ("saved", "input"), ("input",), ("output",))  # noqa: E741
             fwd = np.array([u.forward_working for u in self.units], dtype=np.float64)
             bwd = np.array([u.backward_working for u in self.units], dtype=np.float64)
-            W = np.zeros((n + 1, n + 1))
-            for lo in range(n):
-                # A[lo, u] - I[lo, u] for u = lo..n-1, the inputs added back per hi below
-                before = np.concatenate([[0.0], A[lo, lo + 1:n] - I[lo, lo + 1:n]])
-                after = A[lo, lo + 1:]                                   # A[lo, u + 1], i.e. A[lo, hi]
-                forward = np.maximum.accumulate(before + fwd[lo:]) + I[lo, lo + 1:]
-                backward = after + bwd[lo:]                             # u = hi - 1
-                # u < hi - 1, plus the stage's inputs and outputs
-                inner = np.maximum.accumulate(S[lo, lo + 1:] - I[lo, lo + 1:] + bwd[lo:])
-                backward[1:] = np.maximum(backward[1:], inner[:-1] + I[lo, lo + 2:] + O[lo, lo + 2:])
-                W[lo, lo + 1:] = np.maximum(np.maximum(forward, backward) - after, 0.0)
+            below = np.arange(n)[None, :] < np.arange(n + 1)[:, None]     # [lo, u]: u < lo, outside every stage
+            # forward: the max over u in [lo, hi) of A[lo, u] - I[lo, u] + fwd[u], plus I[lo, hi]
+            forward = np.maximum.accumulate(np.where(below, -np.inf, (A - I)[:, :n] + fwd), axis=1)
+            # backward of u = hi - 1: A[lo, hi] + bwd[hi - 1]; of u < hi - 1: what lo..u saved (S[lo, u + 1]
+            # less the input I, counted apart), bwd[u], plus the stage's input and output
+            inner = np.maximum.accumulate(np.where(below, -np.inf, (S - I)[:, 1:] + bwd), axis=1)
+            W = np.full((n + 1, n + 1), -np.inf)
+            W[:, 1:] = np.maximum(forward + I[:, 1:], A[:, 1:] + bwd)
+            W[:, 2:] = np.maximum(W[:, 2:], inner[:, :-1] + I[:, 2:] + O[:, 2:])
+            W = np.maximum(W - A, 0.0)
+            W[np.arange(n + 1)[:, None] >= np.arange(n + 1)[None, :]] = 0.0
             self._working = W
         return self._working
 
@@ -188,49 +186,67 @@ class ModelProfile:
         return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
 
-def _first_at_or_after(units: Sequence[int], n: int) -> np.ndarray:
-    """F[lo] = the first of ``units`` >= lo, n + 1 where there is none (lo = 0..n)."""
-    first = np.full(n + 1, n + 1)
-    for u in sorted(units, reverse=True):
-        first[: u + 1] = u
-    return first
+def _first_at_or_after(units: Sequence[Sequence[int]], n: int) -> np.ndarray:
+    """F[i, lo] = the first of ``units[i]`` >= lo, n + 1 where there is none (lo = 0..n)."""
+    first = np.full((len(units), n + 2), n + 1)
+    rows = [i for i, us in enumerate(units) for _ in us]
+    cols = [u for us in units for u in us]
+    first[rows, cols] = cols
+    return np.minimum.accumulate(first[:, ::-1], axis=1)[:, ::-1][:, :n + 1]
 
 
 def segment_bytes(n: int, storages: Sequence[Storage],
                   terms: Sequence[str] = ("saved", "input", "output")) -> np.ndarray:
     """Vectorised ``ModelProfile.activation_bytes`` of these storages for every segment of n
     units, counting only some of its terms: storages saved inside, the input boundary, the
-    output boundary (each counted once, boundaries only where the segment touches them).
+    output boundary (each counted once, boundaries only where the segment touches them)."""
+    return segment_matrices(n, storages, terms)[0]
+
+
+def segment_matrices(n: int, storages: Sequence[Storage], *term_sets: Sequence[str]) -> list[np.ndarray]:
+    """``segment_bytes`` for each of ``term_sets``, the storages read once.
 
     A storage that never crosses a boundary is saved only by the unit that made it, so it
-    adds to every segment containing that unit (prefix sums). The few storages that cross
-    boundaries get an (n+1) x (n+1) mask each.
+    adds to every segment containing that unit (prefix sums). One that crosses boundaries counts
+    in [lo, hi) when the segment touches it (hi > T[lo], the first unit >= lo that touches it) and
+    it is the segment's input (B[lo]: boundary lo - 1), saved inside (hi > N[lo], the first saver
+    >= lo) or its output (B[hi]). Per row lo that is every hi past a threshold -- T[lo] where it is
+    the input, max(T[lo], N[lo]) where saved counts, none otherwise -- plus, for the output, the few
+    hi = b + 1 below it: steps summed by a running sum along each row, and single cells, for all
+    storages at once (the same work per storage as a row, not as a matrix, and no Python loop per
+    storage: those were most of a sweep's time).
     """
     internal = np.zeros(n)
-    out = np.zeros((n + 1, n + 1))
-    lo = np.arange(n + 1)[:, None]
-    hi = np.arange(n + 1)[None, :]
+    crossing = [s for s in storages if s.boundaries]
     for s in storages:
         if not s.boundaries:
-            if "saved" in terms:
-                for u in s.savers:
-                    internal[u] += s.nbytes
-            continue
-        # saved inside iff the first saver >= lo is < hi; touched likewise
-        next_saver, next_toucher = _first_at_or_after(s.savers, n), _first_at_or_after(s.touchers(), n)
-        bounds = np.zeros(n + 1, dtype=bool)
-        for b in s.boundaries:
-            bounds[b + 1] = True  # boundary b is the input of segment lo = b+1 and output of hi = b+1
-        mask = np.zeros((n + 1, n + 1), dtype=bool)
-        if "input" in terms:
-            mask |= bounds[:, None]
-        if "saved" in terms:
-            mask |= next_saver[:, None] < hi
-        if "output" in terms:
-            mask |= bounds[None, :]
-        out += s.nbytes * (mask & (next_toucher[:, None] < hi))
+            for u in s.savers:
+                internal[u] += s.nbytes
     prefix = np.concatenate([[0.0], np.cumsum(internal)])
-    out += prefix[None, :] - prefix[:, None]
-    out[lo >= hi] = 0.0
+    saved_inside = prefix[None, :] - prefix[:, None]
+    outside = np.arange(n + 1)[:, None] >= np.arange(n + 1)[None, :]
+    nbytes = np.array([s.nbytes for s in crossing], dtype=np.float64)
+    touched = _first_at_or_after([s.touchers() for s in crossing], n)              # T[i, lo]
+    saver = np.maximum(touched, _first_at_or_after([s.savers for s in crossing], n))
+    pairs = np.array([i for i, s in enumerate(crossing) for _ in s.boundaries], dtype=np.int64)
+    ends = np.array([b + 1 for s in crossing for b in s.boundaries], dtype=np.int64)   # hi = b + 1, lo = b + 1
+    bounds = np.zeros((len(crossing), n + 1), dtype=bool)
+    bounds[pairs, ends] = True
+    out = []
+    for terms in term_sets:
+        matrix = saved_inside.copy() if "saved" in terms else np.zeros((n + 1, n + 1))
+        # the threshold per storage and row (n + 1: none)
+        threshold = np.where(bounds, touched, n + 1) if "input" in terms else np.full_like(touched, n + 1)
+        if "saved" in terms:
+            threshold = np.minimum(threshold, saver)
+        steps = np.zeros((n + 1, n + 3))
+        i, lo = np.nonzero(threshold <= n)
+        np.add.at(steps, (lo, threshold[i, lo] + 1), nbytes[i])
+        matrix += np.cumsum(steps, axis=1)[:, :n + 1]
+        if "output" in terms:      # hi = b + 1 touched but not yet past the threshold
+            below = (touched[pairs] < ends[:, None]) & (ends[:, None] <= threshold[pairs])
+            k, lo = np.nonzero(below)
+            np.add.at(matrix, (lo, ends[k]), nbytes[pairs[k]])
+        matrix[outside] = 0.0
+        out.append(matrix)
     return out
-
