@@ -7,6 +7,9 @@ peak of a forward + backward must be within 10% of what the CPU allocator really
 """
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,6 +18,7 @@ from gems.errors import GemsError
 from gems.models import build
 from gems.partition import measure_times, profile
 from gems.partition.accuracy import compare, random_cuts, toy_model
+from gems.partition.records import ModelProfile, Storage, UnitProfile, segment_matrices
 
 SIZE, BATCH = 64, 2
 MODELS = {
@@ -47,6 +51,50 @@ def test_activation_matrix_equals_the_set_definition():
             assert A[lo, hi] == prof.activation_bytes(lo, hi)
     W = prof.working_matrix()
     assert (W >= 0).all() and W[0, n] > 0
+
+
+def test_segment_matrices_equal_their_definition_on_random_storages():
+    """``segment_bytes`` (every segment at once) against the definition, one segment and one storage
+    at a time, for every choice of terms; the working memory against its docstring, one unit at a time.
+    Random storages: saved by a few units, crossing a few boundaries, read by a few units or not."""
+    rng = random.Random(0)
+    for _ in range(40):
+        n = rng.randint(1, 12)
+        storages = []
+        for _ in range(rng.randint(0, 25)):
+            savers = tuple(sorted(rng.sample(range(n), rng.randint(0, min(3, n)))))
+            if rng.random() < 0.4:
+                storages.append(Storage(rng.randint(1, 10**6), savers[:1], ()))
+                continue
+            boundaries = tuple(sorted(rng.sample(range(-1, n), rng.randint(1, min(2, n + 1)))))
+            readers = None if rng.random() < 0.5 else tuple(sorted(rng.sample(range(n + 1), rng.randint(0, 2))))
+            storages.append(Storage(rng.randint(1, 10**6), savers, boundaries, readers))
+
+        def counts(s: Storage, lo: int, hi: int, terms) -> bool:
+            inside = any(lo <= u < hi for u in s.savers)
+            return any(lo <= u < hi for u in s.touchers()) and (
+                ("input" in terms and lo - 1 in s.boundaries) or ("saved" in terms and inside)
+                or ("output" in terms and hi - 1 in s.boundaries))
+        terms_sets = [("saved", "input", "output"), ("saved", "input"), ("input",), ("output",), ("saved",)]
+        matrices = dict(zip(terms_sets, segment_matrices(n, storages, *terms_sets)))
+        for terms, matrix in matrices.items():
+            expected = np.zeros((n + 1, n + 1))
+            for lo in range(n):
+                for hi in range(lo + 1, n + 1):
+                    expected[lo, hi] = sum(s.nbytes for s in storages if counts(s, lo, hi, terms))
+            assert np.array_equal(matrix, expected), terms
+        units = [UnitProfile(f"u{u}", 0, 0, 0, 0, 0, (), (), 0, 0, 0, rng.choice([0, rng.randint(0, 10**6)]),
+                             rng.choice([0, rng.randint(0, 10**6)]), 0)
+                 for u in range(n)]
+        prof = ModelProfile(units, ((3, 8, 8),), ("float32",), 1, "float32", "sgd", storages)
+        A, S, I, O = (matrices[t] for t in terms_sets[:4])  # noqa: E741
+        for lo in range(n):
+            for hi in range(lo + 1, n + 1):
+                forward = max(A[lo, u] + units[u].forward_working + I[lo, hi] - I[lo, u] for u in range(lo, hi))
+                backward = max([A[lo, hi] + units[hi - 1].backward_working]
+                               + [S[lo, u + 1] - I[lo, u + 1] + I[lo, hi] + O[lo, hi] + units[u].backward_working
+                                  for u in range(lo, hi - 1)])
+                assert prof.working_matrix()[lo, hi] == max(forward - A[lo, hi], backward - A[lo, hi], 0)
 
 
 def test_unit_fields():
