@@ -95,6 +95,7 @@ class PolicyModel:
         self.offload_works = device != "cpu"
         self.forward = np.concatenate([[0.0], np.cumsum(forward_seconds)])    # prefix sums
         self.compute = self.forward + np.concatenate([[0.0], np.cumsum(backward_seconds)])
+        self.forward_flops = profile.unit_sums("forward_flops")
         n = len(profile)
         self.plain = profile.activation_matrix()
         self.working = profile.working_matrix()
@@ -336,7 +337,7 @@ class PolicyModel:
 
     def recompute_flops(self, hi: int, policy: StagePolicy, holder: Holder) -> int:
         """Forward FLOPs re-run per step on ``holder``'s position, for a stage ending at ``hi``."""
-        return int(self._rerun(hi, policy, holder, self.profile.unit_sums("forward_flops")))
+        return int(self._rerun(hi, policy, holder, self.forward_flops))
 
     def _rerun(self, hi: int, policy: StagePolicy, holder: Holder, prefix: np.ndarray) -> float:
         """A per-unit quantity (prefix sums) over what recomputation re-runs: every segment of
