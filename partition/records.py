@@ -227,9 +227,10 @@ def segment_matrices(n: int, storages: Sequence[Storage], *term_sets: Sequence[s
     outside = np.arange(n + 1)[:, None] >= np.arange(n + 1)[None, :]
     nbytes = np.array([s.nbytes for s in crossing], dtype=np.float64)
     touched = _first_at_or_after([s.touchers() for s in crossing], n)              # T[i, lo]
-    saver = np.maximum(touched, _first_at_or_after([s.savers for s in crossing], n))
+    saved_from = np.maximum(touched, _first_at_or_after([s.savers for s in crossing], n))   # max(T, N)[i, lo]
+    # (storage, b + 1) per boundary b crossed: the input of segments from lo = b + 1, the output of those to hi = b + 1
     pairs = np.array([i for i, s in enumerate(crossing) for _ in s.boundaries], dtype=np.int64)
-    ends = np.array([b + 1 for s in crossing for b in s.boundaries], dtype=np.int64)   # hi = b + 1, lo = b + 1
+    ends = np.array([b + 1 for s in crossing for b in s.boundaries], dtype=np.int64)
     bounds = np.zeros((len(crossing), n + 1), dtype=bool)
     bounds[pairs, ends] = True
     out = []
@@ -238,8 +239,8 @@ def segment_matrices(n: int, storages: Sequence[Storage], *term_sets: Sequence[s
         # the threshold per storage and row (n + 1: none)
         threshold = np.where(bounds, touched, n + 1) if "input" in terms else np.full_like(touched, n + 1)
         if "saved" in terms:
-            threshold = np.minimum(threshold, saver)
-        steps = np.zeros((n + 1, n + 3))
+            threshold = np.minimum(threshold, saved_from)
+        steps = np.zeros((n + 1, n + 2))
         i, lo = np.nonzero(threshold <= n)
         np.add.at(steps, (lo, threshold[i, lo] + 1), nbytes[i])
         matrix += np.cumsum(steps, axis=1)[:, :n + 1]
