@@ -54,7 +54,7 @@ def test_activation_matrix_equals_the_set_definition():
 
 
 def test_segment_matrices_equal_their_definition_on_random_storages():
-    """``segment_bytes`` (every segment at once) against the definition, one segment and one storage
+    """``segment_matrices`` (every segment at once) against the definition, one segment and one storage
     at a time, for every choice of terms; the working memory against its docstring, one unit at a time.
     Random storages: saved by a few units, crossing a few boundaries, read by a few units or not."""
     rng = random.Random(0)
