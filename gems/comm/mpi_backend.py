@@ -288,12 +288,23 @@ class MPIComm(Comm):
             summed = self._in_node_memory("allreduce", tensor, None, group)
             if summed is not None:
                 return summed
+        describe = f"allreduce over {self._members(group)}"
+        if mpi_can_sum(tensor.dtype) and self._at_once((tensor,)) and not self._rings(tensor, group):
+            # a small host sum (a tile group's statistics, tens of times a step) straight to MPI, as
+            # ``isend`` posts its own: a 2-rank sum of 128 doubles, posted and waited for, took 63 us
+            # through the queue's wires and closures, 49 so (7 in MPI itself)
+            req = self._mpi(group).Iallreduce(MPI.IN_PLACE, as_typed(tensor.detach()), MPI.SUM)
+
+            def done() -> bool:
+                if self._queue:   # operations queued after this one move on while it is waited for
+                    self._progress()
+                return req.Test()
+            return Request(done, describe, (tensor,))
         wire = self._wire(tensor, load=True, store=True, reduce=True)
         if wire.ready is None and self._rings(wire.data, group):
-            return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True,
-                              f"allreduce over {self._members(group)}")
+            return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True, describe)
         return self._post([wire], lambda: [self._mpi(group).Iallreduce(MPI.IN_PLACE, as_typed(wire.data), MPI.SUM)],
-                          f"allreduce over {self._members(group)}")
+                          describe)
 
     def ibroadcast(self, tensor: Tensor, root: int, group: Group | None) -> Request:
         ranks = group.ranks if group is not None else range(self.size)
