@@ -150,6 +150,15 @@ class MPIComm(Comm):
         return not self._queue and all(not t.is_cuda and t.is_contiguous() and (limit is None or t.nbytes <= limit)
                                        for t in tensors)
 
+    def _tested(self, reqs: list[Any]) -> Callable[[], bool]:
+        """The test of MPI requests posted at once (``_at_once``): whether all are complete, moving
+        on any operation queued after them while they are waited for."""
+        def test() -> bool:
+            if self._queue:
+                self._progress()
+            return MPI.Request.Testall(reqs)
+        return test
+
     # -- the queue -------------------------------------------------------------------------------
     def _progress(self) -> None:
         """Start queued operations, in posting order, while the one at the head is ready."""
@@ -225,12 +234,7 @@ class MPIComm(Comm):
         describe = f"send to rank {dst}, tag {tag}"
         if self._at_once(tensors):
             reqs = [self._comm.Isend([as_bytes(t), MPI.BYTE], dst, wire_tag) for t, wire_tag in zip(tensors, tags)]
-
-            def sent() -> bool:
-                if self._queue:   # operations queued after this one move on while it is waited for
-                    self._progress()
-                return MPI.Request.Testall(reqs)
-            return Request(sent, describe, tensors)
+            return Request(self._tested(reqs), describe, tensors)
         wires = [self._wire(t, load=True, store=False) for t in tensors]
         return self._post(wires, lambda: [self._comm.Isend([piece, MPI.BYTE], dst, wire_tag)
                                           for w, wire_tag in zip(wires, tags) for piece in self._pieces(w.data)],
@@ -284,22 +288,18 @@ class MPIComm(Comm):
         return self._node.zeros(numel, dtype)
 
     def iallreduce(self, tensor: Tensor, group: Group | None) -> Request:
-        if (group.size if group is not None else self.size) > 1 and mpi_can_sum(tensor.dtype):
+        summable = mpi_can_sum(tensor.dtype)
+        if (group.size if group is not None else self.size) > 1 and summable:
             summed = self._in_node_memory("allreduce", tensor, None, group)
             if summed is not None:
                 return summed
         describe = f"allreduce over {self._members(group)}"
-        if mpi_can_sum(tensor.dtype) and self._at_once((tensor,)) and not self._rings(tensor, group):
+        if summable and self._at_once((tensor,)) and not self._rings(tensor, group):
             # a small host sum (a tile group's statistics, tens of times a step) straight to MPI, as
             # ``isend`` posts its own: a 2-rank sum of 128 doubles, posted and waited for, took 63 us
             # through the queue's wires and closures, 49 so (mpi4py's own call and tests: 7-15)
             req = self._mpi(group).Iallreduce(MPI.IN_PLACE, as_typed(tensor.detach()), MPI.SUM)
-
-            def done() -> bool:
-                if self._queue:   # operations queued after this one move on while it is waited for
-                    self._progress()
-                return req.Test()
-            return Request(done, describe, (tensor,))
+            return Request(self._tested([req]), describe, (tensor,))
         wire = self._wire(tensor, load=True, store=True, reduce=True)
         if wire.ready is None and self._rings(wire.data, group):
             return self._ring(wire, group, even_bounds(wire.data.numel(), group.size), True, describe)
